@@ -1,0 +1,105 @@
+"""The one metric-aggregation registry, plus rescaling and host conversion.
+
+Every metric is a 0-d tensor. How a key combines across sequences, micro-batches and
+data-parallel ranks is decided here and nowhere else:
+
+* keys in `_SEQ_METRIC_MIN` reduce with `min`; empty inputs emit `+inf` (skipped by min);
+* keys in `_SEQ_METRIC_MAX` reduce with `max`; empty inputs emit `-inf` (skipped by max);
+* every other key is a fragment or a count and is summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from compiled_loss.interfaces import MetricNormalizer
+
+Tensor = torch.Tensor
+
+_SEQ_METRIC_MIN: frozenset[str] = frozenset(
+    {"probs_ratio_min", "probs_ratio_clamped_min", "opd_full_reverse_kl_min", "values_min"}
+)
+_SEQ_METRIC_MAX: frozenset[str] = frozenset(
+    {
+        "probs_ratio_max",
+        "probs_ratio_clamped_max",
+        "opd_full_reverse_kl_max",
+        "opd_full_decomposition_error",
+        "values_max",
+    }
+)
+
+
+def aggregation(key: str) -> str:
+    """'min', 'max' or 'sum': how `key` combines across fragments."""
+    if key in _SEQ_METRIC_MIN:
+        return "min"
+    if key in _SEQ_METRIC_MAX:
+        return "max"
+    return "sum"
+
+
+def combine_metrics(parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Combine per-fragment metric dicts (micro-batches, sequences) into one.
+
+    Traceable: sentinels need no special case because `min(+inf, x) == x` and
+    `max(-inf, x) == x`. A key missing from some fragments combines over the rest.
+    """
+    out: dict[str, Tensor] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in out:
+                out[key] = value
+                continue
+            how = aggregation(key)
+            if how == "min":
+                out[key] = torch.minimum(out[key], value)
+            elif how == "max":
+                out[key] = torch.maximum(out[key], value)
+            else:
+                out[key] = out[key] + value
+    return out
+
+
+def rescale_loss_metrics(
+    metrics: dict[str, Any],
+    normalizers: Mapping[str, MetricNormalizer],
+    *,
+    token_factor: float,
+    sequence_factor: float,
+) -> dict[str, Any]:
+    """Change global loss denominators while preserving raw counts and extrema (ref §6.1).
+
+    Metrics absent from `normalizers` are returned unchanged. Works on floats or tensors.
+    """
+    factors = {
+        MetricNormalizer.TOKENS: token_factor,
+        MetricNormalizer.SEQUENCES: sequence_factor,
+        MetricNormalizer.NONE: 1.0,
+    }
+    return {
+        key: value * factors[normalizers[key]] if key in normalizers else value
+        for key, value in metrics.items()
+    }
+
+
+def metrics_to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Host-side: 0-d tensor metrics to Python floats, with one device sync in all.
+
+    Call it outside compiled code. ±inf extrema sentinels are kept as they are.
+    """
+    tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
+    for key in tensor_keys:
+        if metrics[key].dim() != 0:
+            raise ValueError(
+                f"metrics[{key!r}] must be a 0-d tensor, got shape {tuple(metrics[key].shape)}"
+            )
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
+    if tensor_keys:
+        device = metrics[tensor_keys[0]].device
+        stacked = torch.stack([metrics[k].detach().float().to(device) for k in tensor_keys])
+        out.update(zip(tensor_keys, stacked.tolist()))  # host
+    return {k: out[k] for k in metrics}
