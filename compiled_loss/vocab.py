@@ -91,6 +91,8 @@ class _VocabReduce(torch.autograd.Function):
         grad = torch.empty_like(logits)
         k = index.shape[-1]
         iota = torch.arange(vocab, device=logits.device)
+        # rows that no output gradient reaches get exactly 0, whatever their logits hold
+        live = (g_lse != 0) | (g_picked != 0).any(-1) | (g_negent != 0) | (g_cross != 0)
         for s, e in _row_chunks(n, vocab, ctx.chunk_size):
             x = _filtered(logits[s:e].float(), None if threshold is None else threshold[s:e])
             p = torch.exp(x - lse[s:e, None])
@@ -103,11 +105,10 @@ class _VocabReduce(torch.autograd.Function):
                 g = g + torch.exp(t - teacher_lse[s:e, None]) * g_cross[s:e, None]
             if k == 1:
                 g = g + (iota[None, :] == index[s:e]).to(g.dtype) * g_picked[s:e]
-            if threshold is not None:
-                g = torch.where(x > float("-inf"), g, 0.0)
-            grad[s:e] = g.to(grad.dtype)
+            keep = live[s:e, None] if threshold is None else live[s:e, None] & (x > float("-inf"))
+            grad[s:e] = torch.where(keep, g, 0.0).to(grad.dtype)
             if k > 1:
-                picked_grad = g_picked[s:e]
+                picked_grad = torch.where(live[s:e, None], g_picked[s:e], 0.0)
                 if threshold is not None:
                     picked_grad = torch.where(
                         x.gather(-1, index[s:e]) > float("-inf"), picked_grad, 0.0
