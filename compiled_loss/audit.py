@@ -132,10 +132,13 @@ class CompileRecorder:
     >>> rec = CompileRecorder("aot_eager")
     >>> fn = rec.compile(my_fn, fullgraph=True)
     >>> fn(...); rec.report.problems(), rec.report.compiles
+
+    `mode` is Inductor's compile mode (as in `torch.compile(mode=...)`).
     """
 
-    def __init__(self, backend: str = "inductor", name: str = "fn") -> None:
-        self._inner = lookup_backend(backend)
+    def __init__(self, backend: str = "inductor", name: str = "fn", mode: str | None = None) -> None:
+        self._backend_name, self._mode = backend, mode
+        self._inner: Callable[..., Any] | None = None
         self.report = CompileReport(name)
         self._seen_metrics = {id(m) for m in get_compilation_metrics()}
 
@@ -182,6 +185,12 @@ class CompileRecorder:
             )
 
     def compile(self, fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
+        if self._backend_name == "inductor":  # what torch.compile(backend="inductor", mode=...) uses
+            self._inner = torch._TorchCompileInductorWrapper(self._mode, None, compile_kwargs.get("dynamic"))
+        else:
+            if self._mode is not None:
+                raise ValueError(f"compile mode {self._mode!r} needs the inductor backend, got {self._backend_name!r}")
+            self._inner = lookup_backend(self._backend_name)
         compiled = torch.compile(fn, backend=self._backend, **compile_kwargs)
 
         def run(*args: Any, **kwargs: Any) -> Any:

@@ -184,6 +184,38 @@ def row_width(data: Mapping[str, Tensor]) -> int:
     )
 
 
+def pad_to_bucket(
+    data: Mapping[str, Tensor], rows: int, num_rows: int, grid: BucketGrid
+) -> dict[str, Tensor]:
+    """Zero-pad every batch tensor from `[rows, S, ...]` to the bucket `[num_rows, S_b, ...]`.
+
+    Dimension 0 is the batch dimension of every tensor (as in NeMo-RL's
+    BatchedDataDict); dimension 1 is padded when it equals the row width `S`. Padding
+    rows get `sample_mask = 0` and `token_mask = 0`, so they contribute nothing. Data
+    already in bucket shape is returned as is, so calling this inside a compiled region
+    on bucket-shaped data adds nothing to the graph.
+    """
+    width = row_width(data)
+    padded_width = round_to_bucket(width, grid.width, grid.per_octave)
+    out: dict[str, Tensor] = {}
+    for key, value in data.items():
+        if not isinstance(value, Tensor) or value.dim() == 0:
+            out[key] = value
+            continue
+        pad = [0, 0] * value.dim()
+        if value.shape[0] != num_rows:
+            if value.shape[0] != rows:
+                raise ValueError(
+                    f"data[{key!r}] must have {rows} rows (one per packed sequence), "
+                    f"got shape {tuple(value.shape)}"
+                )
+            pad[-1] = num_rows - rows
+        if value.dim() >= 2 and value.shape[1] == width:
+            pad[-3] = padded_width - width
+        out[key] = torch.nn.functional.pad(value, pad) if any(pad) else value
+    return out
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedLayout:
     """Index tensors for one micro-batch's packing, shaped by its bucket.
@@ -258,33 +290,8 @@ class PackedLayout:
     # ---- host side -------------------------------------------------------------------
 
     def pad_data(self, data: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Zero-pad every batch tensor from `[B, S, ...]` to the bucket `[B_b, S_b, ...]`.
-
-        Dimension 0 is the batch dimension of every tensor (as in NeMo-RL's
-        BatchedDataDict); dimension 1 is padded when it equals the row width `S`. Padding
-        rows get `sample_mask = 0` and `token_mask = 0`, so they contribute nothing. Data
-        already in bucket shape is returned as is, so calling this inside a compiled
-        region on bucket-shaped data adds nothing to the graph.
-        """
-        width = row_width(data)
-        padded_width = round_to_bucket(width, self.grid.width, self.grid.per_octave)
-        out: dict[str, Tensor] = {}
-        for key, value in data.items():
-            if not isinstance(value, Tensor) or value.dim() == 0:
-                out[key] = value
-                continue
-            pad = [0, 0] * value.dim()
-            if value.shape[0] != self.num_rows:
-                if value.shape[0] != self.rows:
-                    raise ValueError(
-                        f"data[{key!r}] must have {self.rows} rows (one per packed sequence), "
-                        f"got shape {tuple(value.shape)}"
-                    )
-                pad[-1] = self.num_rows - self.rows
-            if value.dim() >= 2 and value.shape[1] == width:
-                pad[-3] = padded_width - width
-            out[key] = torch.nn.functional.pad(value, pad) if any(pad) else value
-        return out
+        """`pad_to_bucket` for this layout's rows (a no-op on bucket-shaped data)."""
+        return pad_to_bucket(data, self.rows, self.num_rows, self.grid)
 
     # ---- traceable -------------------------------------------------------------------
 

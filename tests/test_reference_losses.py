@@ -33,7 +33,11 @@ from compiled_loss.loss_input import get_distillation_topk_logprobs_from_logits,
 from compiled_loss.metrics import combine_metrics, metrics_to_python
 from compiled_loss.utils import rescale_loss_metrics
 from compiled_loss.vocab import vocab_reduce
-from tests.common import clipped_pg_data, exact_logits
+
+try:  # `python -m pytest` (repo root on sys.path) or a `tests` package
+    from tests.common import clipped_pg_data, exact_logits
+except ImportError:  # plain `pytest`: the test directory itself is on sys.path
+    from common import clipped_pg_data, exact_logits
 
 T, S, N = MetricNormalizer.TOKENS, MetricNormalizer.SEQUENCES, MetricNormalizer.NONE
 
@@ -137,6 +141,15 @@ def test_clipped_pg_loss_ppo_clipping_through_exact_logits():
     assert m["kl_penalty"] == 0.0
     loss.backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_clipped_pg_loss_asymmetric_clip():
+    # ε_low = 0.1, ε_high = 0.3: bounds [0.9, 1.3] (ref §4.1.1)
+    data = pg_data(adv=PPO_ADV, prev=PPO_PREV)
+    loss, m = run_pg(cfg(ratio_clip_min=0.1, ratio_clip_max=0.3), leaf([PPO_CURR]), data)
+    assert_close(loss, t((-0.5 + 1.0 - 2.6) / 3), rtol=1e-4, atol=1e-5)
+    assert m["probs_ratio_clamped_min"] == pytest.approx(0.9, rel=1e-6)
+    assert m["probs_ratio_clamped_max"] == pytest.approx(1.3, rel=1e-6)
 
 
 def test_clipped_pg_loss_reinforce_mode():
@@ -612,6 +625,24 @@ def test_clipped_pg_loss_entropy():
     assert m["approx_entropy"] == pytest.approx(math.exp(0.1), rel=1e-5)
 
 
+def test_clipped_pg_loss_diagnostic_metrics():
+    # ref §4.1.5 step 1, hand-computed on the PPO fixture with generation log-probs
+    data = pg_data(adv=PPO_ADV, prev=PPO_PREV, gen=PPO_GEN)
+    _, m = run_pg(cfg(), leaf([PPO_CURR]), data)
+    d = [p - g for p, g in zip(PPO_PREV, PPO_GEN)]  # prev - gen = [-0.5, 0.5, -0.2]
+    assert m["token_mult_prob_error"] == pytest.approx(sum(math.exp(abs(x)) for x in d) / 3, rel=1e-5)
+    # gen_kl_error: k3 with logr = prev - gen; policy_kl_error: k3 with logr = gen - prev
+    assert m["gen_kl_error"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 3, rel=1e-5)
+    assert m["policy_kl_error"] == pytest.approx(sum(math.exp(-x) - 1 + x for x in d) / 3, rel=1e-5)
+    js = 0.0
+    for p, g in zip(PPO_PREV, PPO_GEN):
+        log_m = math.log(0.5 * math.exp(p) + 0.5 * math.exp(g))
+        a, b = p - log_m, g - log_m
+        js += 0.5 * (math.exp(a) - a - 1) + 0.5 * (math.exp(b) - b - 1)
+    assert m["js_divergence_error"] == pytest.approx(js / 3, rel=1e-4)
+    assert m["positive_nll_loss"] == 0.0
+
+
 GSPO = dict(sequence_level_importance_ratios=True, token_level_loss=False)
 
 
@@ -728,6 +759,38 @@ def test_dpo_loss():
     assert_close(loss, t(0.5 * (2 * math.log(16.0)) + math.log(2.0)))
     assert m["sft_loss"] == pytest.approx(2 * math.log(16.0), rel=1e-6)
     assert m["preference_loss"] == pytest.approx(math.log(2.0), rel=1e-6)
+
+    # a fragment of a larger global batch: every term is normalised by G_s / 2
+    fn = DPOLossFn({**base, "sft_loss_weight": 0.5})
+    loss_input, d = prepare_loss_input(logits, data, fn)
+    frag, fm = fn(data=d, global_valid_seqs=t(8.0), global_valid_toks=t(16.0), **loss_input)
+    assert_close(frag, t((0.5 * (2 * math.log(16.0)) + math.log(2.0)) / 4))
+    assert fm["sft_loss"].item() == pytest.approx(2 * math.log(16.0) / 4, rel=1e-6)
+    assert fm["num_valid_samples"].item() == 1.0
+
+
+def test_dpo_preference_average_and_pre_rolled_reference():
+    vocab, ln_v = 16, math.log(16.0)
+    data = _dpo_data(2, 4, [[0, 0, 1, 1], [0, 0, 0, 1]])  # chosen 2 tokens, rejected 1
+    logits = torch.zeros(2, 4, vocab)
+    base = {"reference_policy_kl_penalty": 0.1, "preference_loss_weight": 1.0, "sft_loss_weight": 0.0}
+    # summed rewards: chosen -2 ln16, rejected -ln16
+    loss, m = _run_dpo({**base, "preference_average_log_probs": False}, logits, data)
+    assert_close(loss, t(math.log1p(math.exp(0.1 * ln_v))))  # -logsigmoid(-0.1 ln16)
+    assert (m["rewards_chosen_mean"], m["rewards_rejected_mean"]) == pytest.approx((-2 * ln_v, -ln_v))
+    # averaged rewards: both -ln16 → ln 2
+    loss, m = _run_dpo({**base, "preference_average_log_probs": True}, logits, data)
+    assert_close(loss, t(math.log(2.0)))
+    assert (m["rewards_chosen_mean"], m["rewards_rejected_mean"]) == pytest.approx((-ln_v, -ln_v))
+    # the reference log-probs are pre-rolled by the driver: entry t scores token t+1
+    data["reference_policy_logprobs"] = torch.tensor([[-1.0, -2.0, -3.0, -4.0],
+                                                      [-5.0, -6.0, -7.0, -8.0]])
+    loss, m = _run_dpo({**base, "preference_average_log_probs": False}, logits, data)
+    chosen = (-ln_v + 2.0) + (-ln_v + 3.0)  # next-token positions 1, 2 → ref[:, 1], ref[:, 2]
+    rejected = -ln_v + 7.0  # position 2 → ref[1, 2]
+    assert (m["rewards_chosen_mean"], m["rewards_rejected_mean"]) == pytest.approx((chosen, rejected))
+    assert_close(loss, t(math.log1p(math.exp(-0.1 * (chosen - rejected)))))
+    assert m["accuracy"] == 0.0
 
 
 @pytest.mark.parametrize("average", [False, True])
@@ -1314,6 +1377,28 @@ def test_seq_logprob_error_in_loss_nonfinite_rejected_rows(where, value):
         assert math.isfinite(v.item()), key
     assert m["num_masked_seqs_by_logprob_error"].item() == 1.0
     assert m["seq_logprob_error_valid_tokens"].item() == 4.0
+
+
+@pytest.mark.parametrize(
+    "threshold, kept_rows",
+    [(0.999, []), (1.0, [0]), (1.2999, [0]), (1.3001, [0, 2]), (3.999, [0, 2]), (4.001, [0, 1, 2])],
+)
+def test_seq_logprob_error_definition(threshold, kept_rows):
+    # errors (mean over masked tokens of exp|curr - gen|): row 0 1.0, row 1 4.0 (its masked
+    # third token is excluded), row 2 1.3; row 3 has sample_mask 0 and is never counted.
+    # Keep iff error <= threshold.
+    curr, data = _filter_batch()
+    fn = ClippedPGLossFn(_filter_cfg(0.0), seq_logprob_error_threshold=threshold)
+    _, grad, m = _run_splits(fn, curr, data, [4], 3.0, 6.0)
+    tokens = {0: 3, 1: 2, 2: 1}
+    assert m["seq_logprob_error_valid_seqs"].item() == len(kept_rows)
+    assert m["seq_logprob_error_valid_tokens"].item() == sum(tokens[r] for r in kept_rows)
+    assert m["num_masked_seqs_by_logprob_error"].item() == 3 - len(kept_rows)
+    assert m["num_valid_samples"].item() == len(kept_rows)
+    for row in range(4):
+        nonzero = bool(grad[row].abs().sum() > 0)
+        # row 2 is kept by the filter but masked by seq-mask-tis (ratio 1.3 > 1.2): no gradient
+        assert nonzero == (row in kept_rows and row != 2), row
 
 
 def test_seq_logprob_error_in_loss_all_rejected():
