@@ -34,10 +34,7 @@ from compiled_loss.metrics import combine_metrics, metrics_to_python
 from compiled_loss.utils import rescale_loss_metrics
 from compiled_loss.vocab import vocab_reduce
 
-try:  # `python -m pytest` (repo root on sys.path) or a `tests` package
-    from tests.common import clipped_pg_data, exact_logits
-except ImportError:  # plain `pytest`: the test directory itself is on sys.path
-    from common import clipped_pg_data, exact_logits
+from common import clipped_pg_data, exact_logits
 
 T, S, N = MetricNormalizer.TOKENS, MetricNormalizer.SEQUENCES, MetricNormalizer.NONE
 
