@@ -1,7 +1,8 @@
 """Synthetic RL data on a learnable task, with everything each loss needs (no download).
 
 The task: continue an arithmetic progression modulo `modulus`. A prompt is `BOS a, a+d, …`
-(a few terms); the correct response continues it and ends with `EOS`. Response lengths are
+(a few terms, stride `d` in `[1, max_stride]`); the correct response continues it and ends
+with `EOS`. Response lengths are
 long-tailed (log-normal, clamped). Responses are "sampled" with a per-response error rate
 (each token is wrong with that probability), so rewards — the fraction of correct
 response tokens — vary within a GRPO group.
@@ -42,11 +43,12 @@ class DataConfig:
     response_sigma: float = 0.7
     response_max: int = 96
     modulus: int = 64
+    max_stride: int = 3
     error_rate_max: float = 0.6
     teacher_topk: int = 16
 
     def __post_init__(self) -> None:
-        for field in ("prompts", "group_size", "prompt_terms_min", "response_max", "modulus", "teacher_topk"):
+        for field in ("prompts", "group_size", "prompt_terms_min", "response_max", "modulus", "max_stride", "teacher_topk"):
             if getattr(self, field) < 1:
                 raise ValueError(f"data.{field} must be >= 1, got {getattr(self, field)}")
         if self.prompt_terms_max < self.prompt_terms_min:
@@ -67,11 +69,14 @@ def _response_length(cfg: DataConfig, rng: random.Random) -> int:
     return max(1, min(cfg.response_max, length))
 
 
-def sample_batch(cfg: DataConfig, vocab_size: int, rng: random.Random, pairs: bool = False) -> dict[str, Tensor]:
+def sample_batch(
+    cfg: DataConfig, vocab_size: int, rng: random.Random, pairs: bool = False, clean: bool = False
+) -> dict[str, Tensor]:
     """One global batch of task sequences.
 
     Rows come in groups of `group_size` responses per prompt (or, with `pairs`, one
-    (chosen, rejected) pair per prompt: a correct and a corrupted response). Returns
+    (chosen, rejected) pair per prompt: a correct and a corrupted response; with `clean`,
+    every response is correct — supervised demonstrations). Returns
     `input_ids`, `input_lengths`, `token_mask` (response tokens and EOS), `sample_mask`,
     `rewards` and group-normalised `advantages` `[B, S]`.
     """
@@ -85,11 +90,14 @@ def sample_batch(cfg: DataConfig, vocab_size: int, rng: random.Random, pairs: bo
     rewards: list[float] = []
     per_prompt = 2 if pairs else cfg.group_size
     for _ in range(cfg.prompts):
-        start, stride = rng.randrange(cfg.modulus), rng.randrange(1, cfg.modulus)
+        start, stride = rng.randrange(cfg.modulus), rng.randint(1, cfg.max_stride)
         terms = rng.randint(cfg.prompt_terms_min, cfg.prompt_terms_max)
         prompt = [BOS] + [FIRST_VALUE + (start + i * stride) % cfg.modulus for i in range(terms)]
         for j in range(per_prompt):
-            error_rate = (0.0 if j == 0 else 0.5 + 0.5 * rng.random()) if pairs else rng.uniform(0.0, cfg.error_rate_max)
+            if pairs:
+                error_rate = 0.0 if j == 0 else 0.5 + 0.5 * rng.random()
+            else:
+                error_rate = 0.0 if clean else rng.uniform(0.0, cfg.error_rate_max)
             response, correct = [], 0
             for i in range(_response_length(cfg, rng)):
                 token = FIRST_VALUE + (start + (terms + i) * stride) % cfg.modulus

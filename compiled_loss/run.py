@@ -59,7 +59,7 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     train_seconds = steady_seconds = 0.0
     with open(output_dir / "metrics.jsonl", "w") as log:
         for i in range(1, cfg.run.steps + 1):
-            batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo")
+            batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
             batch = rollout(batch, family, policy=policy, reference=reference, teacher=teacher,
                             topk=cfg.data.teacher_topk)
             result = step(batch)

@@ -109,7 +109,14 @@ class TrainStep:
         self.recorder: CompileRecorder | None = None
         if cfg.compile.enabled:
             self.recorder = CompileRecorder(cfg.compile.backend, "train step", cfg.compile.mode)
-            fn = self.recorder.compile(fn, fullgraph=cfg.compile.fullgraph, dynamic=cfg.compile.dynamic)
+            compiled = self.recorder.compile(fn, fullgraph=cfg.compile.fullgraph, dynamic=cfg.compile.dynamic)
+
+            def fn(*args):
+                # loss-config floats are constants: without this, dynamic=True turns each
+                # into a graph input read back with .item()
+                with torch._dynamo.config.patch(specialize_float=True):
+                    return compiled(*args)
+
         self._forward_loss = fn
 
     @property
