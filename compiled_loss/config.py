@@ -54,7 +54,8 @@ def _loss_schema(kind: str, config_cls: type | None, *extra: tuple[str, Any, Any
         hints = typing.get_type_hints(config_cls)
         for f in dataclasses.fields(config_cls):
             kind_type = _hydra_type(hints[f.name], f"{config_cls.__name__}_{f.name}")
-            default = kind_type(f.default) if isinstance(kind_type, type) and issubclass(kind_type, enum.Enum) else f.default
+            is_enum = isinstance(kind_type, type) and issubclass(kind_type, enum.Enum)
+            default = kind_type(f.default) if is_enum else f.default
             fields.append((f.name, kind_type, dataclasses.field(default=default)))
     fields += [(n, t, dataclasses.field(default=d)) for n, t, d in extra]
     return dataclasses.make_dataclass(f"{kind.title().replace('_', '')}LossSchema", fields)
@@ -150,7 +151,9 @@ class CompileConfig:
     def __post_init__(self) -> None:
         backends = sorted(torch._dynamo.list_backends(exclude_tags=()))
         if self.backend not in backends:
-            raise ValueError(f"compile.backend={self.backend!r} is not a torch.compile backend; valid choices: {backends}")
+            raise ValueError(
+                f"compile.backend={self.backend!r} is not a torch.compile backend; valid choices: {backends}"
+            )
         if self.mode not in _COMPILE_MODES:
             raise ValueError(f"compile.mode={self.mode!r}; valid choices: {list(_COMPILE_MODES)}")
         if self.mode is not None and self.backend != "inductor":

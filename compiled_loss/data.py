@@ -48,7 +48,9 @@ class DataConfig:
     teacher_topk: int = 16
 
     def __post_init__(self) -> None:
-        for field in ("prompts", "group_size", "prompt_terms_min", "response_max", "modulus", "max_stride", "teacher_topk"):
+        positive = ("prompts", "group_size", "prompt_terms_min", "response_max", "modulus", "max_stride",
+                    "teacher_topk")
+        for field in positive:
             if getattr(self, field) < 1:
                 raise ValueError(f"data.{field} must be >= 1, got {getattr(self, field)}")
         if self.prompt_terms_max < self.prompt_terms_min:
@@ -112,10 +114,12 @@ def sample_batch(
     input_ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
     lengths = torch.tensor([len(r) for r in rows])
     columns = torch.arange(width)
-    token_mask = ((columns[None, :] >= torch.tensor(prompt_lengths)[:, None]) & (columns[None, :] < lengths[:, None])).float()
+    in_response = columns[None, :] >= torch.tensor(prompt_lengths)[:, None]
+    token_mask = (in_response & (columns[None, :] < lengths[:, None])).float()
     reward = torch.tensor(rewards)
     groups = reward.view(cfg.prompts, per_prompt)
-    advantages = ((groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True, correction=0) + 1e-6)).reshape(-1)
+    centred = groups - groups.mean(-1, keepdim=True)
+    advantages = (centred / (groups.std(-1, keepdim=True, correction=0) + 1e-6)).reshape(-1)
     return {
         "input_ids": input_ids,
         "input_lengths": lengths,

@@ -319,7 +319,6 @@ class ClippedPGLossFn:
             keys += ("reference_policy_logprobs",)
         _check_logprob_inputs(next_token_logprobs, data, keys, who)
         g_toks, g_seqs = global_valid_toks, global_valid_seqs
-        token_level = cfg.token_level_loss
         gspo = cfg.sequence_level_importance_ratios
 
         lp = next_token_logprobs
@@ -353,7 +352,9 @@ class ClippedPGLossFn:
 
         # 1. diagnostics (no gradient)
         d_prev, d_gen, d_lp = lp_prev.detach(), lp_gen.detach(), lp.detach()
-        token_mult_prob_error = masked_mean(torch.exp((d_gen - d_prev).abs() * mask), mask, global_normalization_factor=g_toks)
+        token_mult_prob_error = masked_mean(
+            torch.exp((d_gen - d_prev).abs() * mask), mask, global_normalization_factor=g_toks
+        )
         gen_kl_error = masked_mean(
             calculate_kl(d_gen, d_prev, cfg.reference_policy_kl_type, None, None),
             mask,
@@ -423,7 +424,9 @@ class ClippedPGLossFn:
                 is_w = is_w.clamp(lo, hi)
             elif tis_type == "icepop":
                 keep = (is_w >= lo) & (is_w <= hi)
-                metrics_extra["is_oob_ratio"] = masked_mean((~keep).to(lp.dtype), mask, global_normalization_factor=g_toks)
+                metrics_extra["is_oob_ratio"] = masked_mean(
+                    (~keep).to(lp.dtype), mask, global_normalization_factor=g_toks
+                )
                 is_w = torch.where(keep, is_w, 0.0)
             else:  # seq-mask-tis
                 seq_ratio = torch.exp(masked_mean(_nan_to_zero(lp_prev - lp_gen), tm, dim=-1)).detach()

@@ -13,7 +13,6 @@ import copy
 import json
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 

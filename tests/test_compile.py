@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-
 from cases import CASE_BY_NAME, CASES, assert_metrics_close, boundaries, globals_for, make_batch, pack_logits
+
 from compiled_loss.audit import CompileRecorder
 from compiled_loss.layout import BucketGrid
 from compiled_loss.loss_input import prepare_loss_input

@@ -3,13 +3,11 @@ host before any compiled code runs. Messages are pinned: a change shows up in re
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
+from cases import CASE_BY_NAME, boundaries, globals_for, make_batch
 from expecttest import TestCase
 
-from cases import CASE_BY_NAME, boundaries, globals_for, make_batch
 from compiled_loss.layout import BucketGrid, PackedLayout
 from compiled_loss.loss_functions import ClippedPGLossFn, DistillationLossFn, MseValueLossFn
 from compiled_loss.loss_input import prepare_loss_input, prepare_packed_loss_input

@@ -4,13 +4,8 @@ micro-batch split invariance of the globally normalised losses."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from cases import (
     CASE_BY_NAME,
     CASES,
@@ -21,8 +16,10 @@ from cases import (
     pack_logits,
     unpack_grad,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from compiled_loss.layout import BucketGrid
-from compiled_loss.loss_input import prepare_loss_input
 from compiled_loss.metrics import combine_metrics
 from compiled_loss.wrapper import (
     SequencePackingFusionLossWrapper,

@@ -18,6 +18,7 @@ import re
 
 import pytest
 import torch
+from common import clipped_pg_data, exact_logits
 from torch.testing import assert_close
 
 from compiled_loss.interfaces import MetricNormalizer
@@ -33,8 +34,6 @@ from compiled_loss.loss_input import get_distillation_topk_logprobs_from_logits,
 from compiled_loss.metrics import combine_metrics, metrics_to_python
 from compiled_loss.utils import rescale_loss_metrics
 from compiled_loss.vocab import vocab_reduce
-
-from common import clipped_pg_data, exact_logits
 
 T, S, N = MetricNormalizer.TOKENS, MetricNormalizer.SEQUENCES, MetricNormalizer.NONE
 
@@ -1203,7 +1202,7 @@ def test_split_rescale_matches_sync_normalization(token_level):
     assert (g_seqs.item(), g_toks.item()) == (6.0, 2 * (3 * 7 - 2))
 
     def run(gs, gt):
-        leaves, losses, parts = [], [], []
+        leaves, parts = [], []
         for lp, data in batches:
             x = lp.clone().requires_grad_(True)
             loss, metrics = fn(next_token_logprobs=x, data=data, global_valid_seqs=gs,
