@@ -537,17 +537,24 @@ class NLLLossFn:
 
 def _preference_loss(
     rewards: Tensor, sample_mask: Tensor, global_valid_seqs: Tensor | None, beta: float = 1.0
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Bradley–Terry loss over interleaved (chosen, rejected) rows (ref §4.3)."""
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Bradley–Terry loss over interleaved (chosen, rejected) rows (ref §4.3), with its
+    accuracy / reward metrics and `num_valid_samples` (pairs)."""
     chosen, rejected = rewards[::2], rewards[1::2]
     sm_chosen, sm_rejected = sample_mask[::2], sample_mask[1::2]
     g_pairs = None if global_valid_seqs is None else global_valid_seqs / 2
     per_pair = -F.logsigmoid(beta * (chosen - rejected)) * sm_chosen
     loss = masked_mean(per_pair, sm_chosen, global_normalization_factor=g_pairs)
-    accuracy = masked_mean((chosen > rejected).to(rewards.dtype), sm_chosen, global_normalization_factor=g_pairs)
-    chosen_mean = masked_mean(chosen.detach(), sm_chosen, global_normalization_factor=g_pairs)
-    rejected_mean = masked_mean(rejected.detach(), sm_rejected, global_normalization_factor=g_pairs)
-    return loss, accuracy, chosen_mean, rejected_mean
+    return loss, {
+        "accuracy": masked_mean(
+            (chosen > rejected).to(rewards.dtype), sm_chosen, global_normalization_factor=g_pairs
+        ),
+        "rewards_chosen_mean": masked_mean(chosen.detach(), sm_chosen, global_normalization_factor=g_pairs),
+        "rewards_rejected_mean": masked_mean(
+            rejected.detach(), sm_rejected, global_normalization_factor=g_pairs
+        ),
+        "num_valid_samples": sample_mask.sum() / 2,
+    }
 
 
 def _check_pairs(rows: int, who: str) -> None:
@@ -593,15 +600,8 @@ class PreferenceLossFn:
                 f"{sm.shape[0]}), got shape {tuple(logits.shape)}"
             )
         _check_pairs(sm.shape[0], who)
-        sm = sm.to(rewards.dtype)
-        loss, accuracy, chosen_mean, rejected_mean = _preference_loss(rewards, sm, global_valid_seqs)
-        return loss, {
-            "loss": loss.detach(),
-            "accuracy": accuracy,
-            "rewards_chosen_mean": chosen_mean,
-            "rewards_rejected_mean": rejected_mean,
-            "num_valid_samples": sm.sum() / 2,
-        }
+        loss, metrics = _preference_loss(rewards, sm.to(rewards.dtype), global_valid_seqs)
+        return loss, {"loss": loss.detach(), **metrics}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -658,9 +658,7 @@ class DPOLossFn:
         reward = ((lp - ref) * tm).sum(-1)
         if cfg.preference_average_log_probs:
             reward = reward / tm.sum(-1).clamp(min=1)
-        pref_loss, accuracy, chosen_mean, rejected_mean = _preference_loss(
-            reward, sm, global_valid_seqs, cfg.reference_policy_kl_penalty
-        )
+        pref_loss, pref_metrics = _preference_loss(reward, sm, global_valid_seqs, cfg.reference_policy_kl_penalty)
         if cfg.sft_loss_weight > 0:
             if global_valid_toks is None:
                 raise ValueError(f"{who}: sft_loss_weight > 0 requires global_valid_toks")
@@ -677,10 +675,7 @@ class DPOLossFn:
             "loss": loss.detach(),
             "sft_loss": sft.detach(),
             "preference_loss": pref_loss.detach(),
-            "accuracy": accuracy,
-            "rewards_chosen_mean": chosen_mean,
-            "rewards_rejected_mean": rejected_mean,
-            "num_valid_samples": sm.sum() / 2,
+            **pref_metrics,
         }
 
 
