@@ -295,6 +295,20 @@ class PackedLayout:
 
     # ---- traceable -------------------------------------------------------------------
 
+    def slots(self, packed: Tensor, name: str = "logits") -> Tensor:
+        """A packed `[1, T, ...]` tensor (T >= T_b) as its `[T_b, ...]` slots.
+
+        A view: squeezing and (only when T > T_b) slicing, so eager autograd allocates no
+        logits-sized zero buffer for the backward of a select or a full-width slice.
+        """
+        if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] < self.tokens:
+            raise ValueError(
+                f"{name} must be packed as [1, T, ...] with T >= {self.tokens} (the bucketed "
+                f"packed length), got shape {tuple(packed.shape)}"
+            )
+        rows = packed.squeeze(0)
+        return rows if rows.shape[0] == self.tokens else rows[: self.tokens]
+
     def valid_mask(self, width: int) -> Tensor:
         """`[B_b, width]` bool: column `j` of row `b` holds a real token (`j < L_b`)."""
         cols = torch.arange(width, device=self.device)

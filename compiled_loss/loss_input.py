@@ -61,12 +61,14 @@ def _check_groups(vocab_parallel_group, context_parallel_group) -> None:
 
 
 def _flat_rows(logits: Tensor, width: int) -> Tensor:
-    """`[B, W, V]` → `[B*width, V]` rows (a view when `W == width`)."""
+    """`[B, W, V]` → `[B*width, V]` rows (a view, with no autograd copy, when `W == width`)."""
     if logits.shape[1] < width:
         raise ValueError(
             f"logits must cover the {width} positions of input_ids, got shape {tuple(logits.shape)}"
         )
-    return logits[:, :width].reshape(-1, logits.shape[-1])
+    if logits.shape[1] > width:
+        logits = logits[:, :width]
+    return logits.reshape(-1, logits.shape[-1])
 
 
 def _threshold(rows: Tensor, sampling_params: TrainingSamplingParams | None) -> Tensor | None:
@@ -256,12 +258,7 @@ def prepare_packed_loss_input(
         if cu_seqlens_q is None:
             raise ValueError("prepare_packed_loss_input needs cu_seqlens_q or a layout")
         layout = PackedLayout.build(cu_seqlens_q, cu_seqlens_q_padded, device=logits.device)
-    if logits.dim() < 2 or logits.shape[0] != 1 or logits.shape[1] < layout.tokens:
-        raise ValueError(
-            f"packed logits must have shape [1, T, ...] with T >= {layout.tokens}, got "
-            f"{tuple(logits.shape)}"
-        )
-    packed = logits[0, : layout.tokens]
+    packed = layout.slots(logits)
     width = row_width(data)
     input_type = loss_fn.input_type
     if input_type == LossInputType.LOGIT:

@@ -75,14 +75,6 @@ def _on_device(layout: PackedLayout, device: torch.device) -> PackedLayout:
     return layout if layout.device == device else layout.to(device)
 
 
-def _check_packed(logits: torch.Tensor, layout: PackedLayout, name: str) -> None:
-    if logits.dim() < 2 or logits.shape[0] != 1 or logits.shape[1] < layout.tokens:
-        raise ValueError(
-            f"{name} must be packed as [1, T, ...] with T >= {layout.tokens} (the bucketed "
-            f"packed length), got shape {tuple(logits.shape)}"
-        )
-
-
 def sequence_packing_loss(
     next_token_logits: torch.Tensor,
     data: Mapping[str, torch.Tensor],
@@ -109,7 +101,7 @@ def sequence_packing_loss(
     past each sequence's length.
     """
     layout = _on_device(layout, next_token_logits.device)
-    _check_packed(next_token_logits, layout, "next_token_logits")
+    packed = layout.slots(next_token_logits, "next_token_logits")
     data = layout.truncate(layout.pad_data(data))
     groups = dict(
         vocab_parallel_rank=vocab_parallel_rank,
@@ -122,7 +114,7 @@ def sequence_packing_loss(
             cu_seqlens_q_padded=cu_seqlens_q_padded, layout=layout, **groups,
         )
     else:
-        unpacked = layout.unpack(next_token_logits[0, : layout.tokens], row_width(data))
+        unpacked = layout.unpack(packed, row_width(data))
         loss_input, data = prepare_fn(logits=unpacked, data=data, loss_fn=loss_fn, **groups)
     return loss_fn(
         data=data,
@@ -281,17 +273,16 @@ class DraftLossWrapper:
         global_valid_toks: torch.Tensor,
     ) -> torch.Tensor:
         layout = _on_device(self.layout, next_token_logits.device)
-        _check_packed(next_token_logits, layout, "next_token_logits")
-        _check_packed(self.student_logits, layout, "student_logits")
+        student = layout.slots(self.student_logits, "student_logits")
         teacher = map_teacher_logits_to_draft_vocab(
-            next_token_logits[0, : layout.tokens].detach(), self.d2t,
+            layout.slots(next_token_logits, "next_token_logits").detach(), self.d2t,
             self.vocab_parallel_rank, self.vocab_parallel_group,
         )
         data = layout.pad_data(data)
         mask = layout.pack(data["token_mask"] * data["sample_mask"][:, None])
         return self.draft_loss_fn(
             teacher_logits=layout.roll(teacher)[None],
-            student_logits=self.student_logits[:, : layout.tokens],
+            student_logits=student[None],
             token_mask=layout.roll(mask)[None],
             data={"sample_mask": mask.new_ones(1)},
             global_valid_seqs=global_valid_seqs,
