@@ -27,8 +27,9 @@ import torch
 
 Tensor = torch.Tensor
 
-# Eager-mode working set: rows per chunk = _CHUNK_ELEMENTS // V (fp32 tile of ~64 MiB).
-_CHUNK_ELEMENTS = 1 << 24
+# Eager-mode working set: rows per chunk = _CHUNK_ELEMENTS // V (fp32 tiles of ~4 MiB;
+# tiles above glibc's 32 MiB mmap threshold page-fault on every allocation: 6x slower).
+_CHUNK_ELEMENTS = 1 << 20
 
 
 class VocabStats(NamedTuple):
@@ -81,7 +82,7 @@ class _VocabReduce(torch.autograd.Function):
                 teacher_lse[s:e] = t_lse
                 cross[s:e] = _xlogp_safe(torch.exp(t - t_lse[:, None]), x).sum(-1)
         ctx.save_for_backward(logits, index, threshold, teacher, lse, negent, teacher_lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.entropy = chunk_size, entropy
         return lse, picked, negent, cross
 
     @staticmethod
@@ -96,9 +97,9 @@ class _VocabReduce(torch.autograd.Function):
         for s, e in _row_chunks(n, vocab, ctx.chunk_size):
             x = _filtered(logits[s:e].float(), None if threshold is None else threshold[s:e])
             p = torch.exp(x - lse[s:e, None])
-            coef = g_lse[s:e, None] + g_negent[s:e, None] * torch.where(
-                p > 0, x - lse[s:e, None] - negent[s:e, None], 0.0
-            )
+            coef = g_lse[s:e, None]
+            if ctx.entropy:
+                coef = coef + g_negent[s:e, None] * torch.where(p > 0, x - lse[s:e, None] - negent[s:e, None], 0.0)
             g = p * coef
             if teacher is not None:
                 t = teacher[s:e].float()
