@@ -2,8 +2,9 @@
 
 Sequence boundaries arrive as `CpuIntTuple`s. `PackedLayout.build` validates them and turns
 them, once per micro-batch and on the host, into small index tensors whose shapes depend
-only on the bucket (packed tokens `T_b`, rows `B_b`, row width `S_b`), never on the
-boundary values. Compiled code only sees those tensors, so it compiles once per bucket.
+only on the bucket (packed tokens `T_b`, rows `B_b`), never on the boundary values;
+`pad_to_bucket` pads the unpacked data to `[B_b, S_b]`. Compiled code only sees those
+tensors, so it compiles once per bucket.
 
 Conventions (NeMo-RL / Megatron, ref §5.2, §9.2, §13.2):
 - packed segment `i` occupies physical slots `[cu_seqlens_padded[i], cu_seqlens_padded[i+1])`;
@@ -16,6 +17,7 @@ Conventions (NeMo-RL / Megatron, ref §5.2, §9.2, §13.2):
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -34,11 +36,12 @@ def to_cpu_int_tuple(values: Tensor | Sequence[int], name: str = "values") -> Cp
                 f"{tuple(values.shape)}"
             )
         return tuple(values.tolist())  # host
-    out = tuple(values)
-    for v in out:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name} must hold Python ints, got {type(v).__name__} {v!r}")
-    return out
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise ValueError(f"{name} must hold integers, got {type(v).__name__} {v!r}")
+        out.append(operator.index(v))
+    return tuple(out)
 
 
 def _check_boundaries(cu: CpuIntTuple, name: str) -> None:
