@@ -146,7 +146,7 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
     vocab = 1 if family == "value" else cfg.model.vocab_size
     for _ in range(batches):
         batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo")
-        lengths = batch.pop("input_lengths").tolist()
+        lengths = batch.pop("input_lengths").tolist()  # host
         data = {**batch, **_random_model_outputs(batch, cfg, gen)}
         rows = len(lengths)
         if mode == PackingMode.none:
