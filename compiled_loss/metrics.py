@@ -3,14 +3,18 @@
 Every metric is a 0-d tensor. How a key combines across sequences, micro-batches and
 data-parallel ranks is decided here and nowhere else:
 
-* keys in `_SEQ_METRIC_MIN` reduce with `min`; empty inputs emit `+inf` (skipped by min);
-* keys in `_SEQ_METRIC_MAX` reduce with `max`; empty inputs emit `-inf` (skipped by max);
+* keys `AGGREGATION` maps to "min" reduce with `min`; empty inputs emit `+inf` (skipped);
+* keys it maps to "max" reduce with `max`; empty inputs emit `-inf` (skipped);
 * every other key is a fragment or a count and is summed.
+
+`AGGREGATION` holds the seed's `_SEQ_METRIC_MIN` / `_SEQ_METRIC_MAX` (re-exported unchanged
+by `compiled_loss.wrapper`) plus the extrema of the losses those sets do not cover.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -19,27 +23,27 @@ from compiled_loss.interfaces import MetricNormalizer
 
 Tensor = torch.Tensor
 
+# The seed's extrema sets (`nemo_rl.algorithms.loss.wrapper`), exactly.
 _SEQ_METRIC_MIN: frozenset[str] = frozenset(
-    {"probs_ratio_min", "probs_ratio_clamped_min", "opd_full_reverse_kl_min", "values_min"}
+    {"probs_ratio_min", "probs_ratio_clamped_min", "opd_full_reverse_kl_min"}
 )
 _SEQ_METRIC_MAX: frozenset[str] = frozenset(
+    {"probs_ratio_max", "probs_ratio_clamped_max", "opd_full_reverse_kl_max", "opd_full_decomposition_error"}
+)
+
+# Every key that does not sum: the seed's extrema plus those of losses the seed's sets do
+# not cover (the value loss's `values_min` / `values_max`).
+AGGREGATION: Mapping[str, str] = MappingProxyType(
     {
-        "probs_ratio_max",
-        "probs_ratio_clamped_max",
-        "opd_full_reverse_kl_max",
-        "opd_full_decomposition_error",
-        "values_max",
+        **{key: "min" for key in _SEQ_METRIC_MIN | {"values_min"}},
+        **{key: "max" for key in _SEQ_METRIC_MAX | {"values_max"}},
     }
 )
 
 
 def aggregation(key: str) -> str:
     """'min', 'max' or 'sum': how `key` combines across fragments."""
-    if key in _SEQ_METRIC_MIN:
-        return "min"
-    if key in _SEQ_METRIC_MAX:
-        return "max"
-    return "sum"
+    return AGGREGATION.get(key, "sum")
 
 
 def combine_metrics(parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:

@@ -1,17 +1,16 @@
-"""Seed API `nemo_rl.algorithms.loss.wrapper` (ref §7) as frozen partials of functions.
+"""Seed API `nemo_rl.algorithms.loss.wrapper` (ref §7): the seed's names, with the same
+signatures, as frozen partial applications of the functions in `compiled_loss.packing`
+and `compiled_loss.draft`.
 
 The packing wrappers build their `PackedLayout` on the host when constructed (from the
-`CpuIntTuple` boundaries) and their `__call__` is pure tensor code over the layout's index
-tensors: traced by torch.compile it is ONE graph, with no Python loop over sequences and
-no `.item()`, whose shapes depend only on the bucket. The keyword-only `bucket` argument
-(an extension of the seed signature) picks the bucket grid; data already padded to the
-bucket (`wrapper.layout.pad_data(data)`, outside the compiled region) keeps one compile per
-bucket.
+`CpuIntTuple` boundaries); their `__call__` is `sequence_packing_loss` over it — one graph
+under torch.compile, shaped by the bucket. Keyword-only extensions of the seed signatures:
+`bucket=BucketGrid(...)` (the bucket grid; pad the data with `wrapper.layout.pad_data`
+outside the compiled region) and `device=` (build the index tensors there, so compiled
+calls copy nothing).
 
-Both packing wrappers compute the loss ONCE over the unpacked `[B, S]` view, with every
-tensor zeroed past each sequence's length: exactly the per-sequence loop's result (its
-`[:, :L_i]` slicing) for every loss whose value and metrics are sums over rows — which
-every loss here is, with the two exceptions listed in the README.
+`DraftLossWrapper` constructs its draft loss through this module's
+`DraftCrossEntropyLossFn` name, so patching that name works as it does in NeMo-RL.
 """
 
 from __future__ import annotations
@@ -22,11 +21,19 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from compiled_loss.layout import BucketGrid, CpuIntTuple, PackedLayout, check_cu_seqlens, row_width
-from compiled_loss.loss_functions import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn
+from compiled_loss.draft import DraftRuntime, draft_soft_ce, packed_draft_soft_ce, with_draft_loss
+from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn
 from compiled_loss.metrics import _SEQ_METRIC_MAX, _SEQ_METRIC_MIN
+from compiled_loss.packing import (
+    BucketGrid,
+    CpuIntTuple,
+    PackedLayout,
+    check_cu_seqlens,
+    sequence_packing_loss,
+    wrap_loss_fn_with_input_preparation,
+)
 from compiled_loss.parallel import require_single_process
-from compiled_loss.utils import map_teacher_logits_to_draft_vocab
+from compiled_loss.vocab import DraftVocab
 
 Tensor = TypeVar("Tensor")  # seed: `nemo_rl.algorithms.loss.wrapper.Tensor`
 
@@ -34,6 +41,7 @@ __all__ = [
     "Tensor",
     "_SEQ_METRIC_MIN",
     "_SEQ_METRIC_MAX",
+    "DraftCrossEntropyLossFn",
     "SequencePackingLossWrapper",
     "SequencePackingFusionLossWrapper",
     "DraftLossWrapper",
@@ -43,85 +51,14 @@ __all__ = [
 ]
 
 
-def wrap_loss_fn_with_input_preparation(
-    next_token_logits: torch.Tensor,
-    data: Mapping[str, torch.Tensor],
-    global_valid_seqs: torch.Tensor | None,
-    global_valid_toks: torch.Tensor | None,
-    loss_fn: Any,
-    prepare_fn: Callable[..., Any],
-    vocab_parallel_rank: int | None = None,
-    vocab_parallel_group: Any = None,
-    context_parallel_group: Any = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`prepare_fn` then `loss_fn` on an unpacked micro-batch (ref §7.6)."""
-    loss_input, data = prepare_fn(
-        logits=next_token_logits,
-        data=data,
-        loss_fn=loss_fn,
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
-        context_parallel_group=context_parallel_group,
-    )
-    return loss_fn(
-        data=data,
-        global_valid_seqs=global_valid_seqs,
-        global_valid_toks=global_valid_toks,
-        **loss_input,
-    )
-
-
-def _on_device(layout: PackedLayout, device: torch.device) -> PackedLayout:
-    return layout if layout.device == device else layout.to(device)
-
-
-def sequence_packing_loss(
-    next_token_logits: torch.Tensor,
-    data: Mapping[str, torch.Tensor],
-    global_valid_seqs: torch.Tensor | None,
-    global_valid_toks: torch.Tensor | None,
-    *,
-    loss_fn: Any,
-    prepare_fn: Callable[..., Any],
-    layout: PackedLayout,
-    fused: bool,
-    cu_seqlens_q: CpuIntTuple | None = None,
-    cu_seqlens_q_padded: CpuIntTuple | None = None,
-    vocab_parallel_rank: int | None = None,
-    vocab_parallel_group: Any = None,
-    context_parallel_group: Any = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss over packed `[1, T, V]` logits and unpacked `[B, S]` data (traceable).
-
-    `fused=False` (per-sequence semantics, any `prepare_fn` of the `prepare_loss_input`
-    kind): the packed logits are unpacked to `[B, S, V]` (a gather Inductor fuses into the
-    consumer) and `prepare_fn` runs once. `fused=True`: `prepare_fn` (of the
-    `prepare_packed_loss_input` kind) works on the packed logits directly and gets the
-    layout. Either way `loss_fn` runs once on data zero-padded to the bucket and zeroed
-    past each sequence's length.
-    """
-    layout = _on_device(layout, next_token_logits.device)
-    packed = layout.slots(next_token_logits, "next_token_logits")
-    data = layout.truncate(layout.pad_data(data))
-    groups = dict(
-        vocab_parallel_rank=vocab_parallel_rank,
-        vocab_parallel_group=vocab_parallel_group,
-        context_parallel_group=context_parallel_group,
-    )
-    if fused:
-        loss_input, data = prepare_fn(
-            logits=next_token_logits, data=data, loss_fn=loss_fn, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_q_padded=cu_seqlens_q_padded, layout=layout, **groups,
+def _check_pairs_fit(loss_fn: Any, layout: PackedLayout, who: str) -> None:
+    """Pairwise losses need an even number of REAL rows: bucket padding would otherwise
+    pair the last real row with a padding row."""
+    if getattr(loss_fn, "rows_are_pairs", False) and layout.rows % 2:
+        raise ValueError(
+            f"{who}: {type(loss_fn).__name__} reads (chosen, rejected) row pairs, but the packing has an "
+            f"odd number of sequences ({layout.rows})"
         )
-    else:
-        unpacked = layout.unpack(packed, row_width(data))
-        loss_input, data = prepare_fn(logits=unpacked, data=data, loss_fn=loss_fn, **groups)
-    return loss_fn(
-        data=data,
-        global_valid_seqs=global_valid_seqs,
-        global_valid_toks=global_valid_toks,
-        **loss_input,
-    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -135,6 +72,7 @@ class _PackingWrapper:
     context_parallel_group: Any = None
     _: dataclasses.KW_ONLY
     bucket: BucketGrid = BucketGrid()
+    device: torch.device | str | None = None
     layout: PackedLayout = dataclasses.field(init=False, repr=False)
 
     _fused: ClassVar[bool]
@@ -145,7 +83,9 @@ class _PackingWrapper:
         cu, cup = check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded)
         object.__setattr__(self, "cu_seqlens_q", cu)
         object.__setattr__(self, "cu_seqlens_q_padded", cup)
-        object.__setattr__(self, "layout", PackedLayout.build(cu, cup, grid=self.bucket))
+        layout = PackedLayout.build(cu, cup, grid=self.bucket, device=self.device)
+        _check_pairs_fit(self.loss_fn, layout, type(self).__name__)
+        object.__setattr__(self, "layout", layout)
 
     def __call__(
         self,
@@ -187,8 +127,9 @@ class DraftLossWrapper:
     Unpacked: `prepare_fn` (`prepare_loss_input` with `d2t` bound) builds the shifted
     teacher and mask, `data["student_logits"]` is the draft output. Packed
     (`cu_seqlens_q` given): the soft-CE runs once over the packed `[1, T]` layout with the
-    teacher shifted within each segment; `student_logits` must be passed explicitly.
-    `data_dict` is accepted for signature compatibility and not read.
+    teacher shifted within each segment; `student_logits` must be passed explicitly and
+    `d2t` is checked once, here. `data_dict` is accepted for signature compatibility and
+    not read.
     """
 
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -206,11 +147,12 @@ class DraftLossWrapper:
     token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE
     _: dataclasses.KW_ONLY
     bucket: BucketGrid = BucketGrid()
+    device: torch.device | str | None = None
     layout: PackedLayout | None = dataclasses.field(init=False, repr=False, default=None)
-    draft_loss_fn: DraftCrossEntropyLossFn = dataclasses.field(init=False, repr=False)
+    draft_vocab: DraftVocab | None = dataclasses.field(init=False, repr=False, default=None)
+    draft_loss_fn: Any = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        require_single_process(self.vocab_parallel_group, "vocab_parallel_group")
         require_single_process(self.context_parallel_group, "context_parallel_group")
         packed = self.cu_seqlens_q is not None
         if packed and self.student_logits is None:
@@ -219,13 +161,15 @@ class DraftLossWrapper:
             raise ValueError("DraftLossWrapper: defer_normalization is not supported in packed mode")
         if not packed and self.prepare_fn is None:
             raise ValueError("DraftLossWrapper: prepare_fn is required in unpacked mode")
-        object.__setattr__(
-            self, "draft_loss_fn",
-            DraftCrossEntropyLossFn(self.vocab_parallel_group, self.token_chunk_size),
-        )
+        object.__setattr__(self, "draft_loss_fn", DraftCrossEntropyLossFn(
+            vocab_parallel_group=self.vocab_parallel_group, token_chunk_size=self.token_chunk_size,
+        ))
         if packed:
-            layout = PackedLayout.build(self.cu_seqlens_q, self.cu_seqlens_q_padded, grid=self.bucket)
+            layout = PackedLayout.build(self.cu_seqlens_q, self.cu_seqlens_q_padded, grid=self.bucket,
+                                        device=self.device)
             object.__setattr__(self, "layout", layout)
+            if self.d2t is not None:
+                object.__setattr__(self, "draft_vocab", DraftVocab.build(self.d2t))
 
     def __call__(
         self,
@@ -237,70 +181,37 @@ class DraftLossWrapper:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         if global_valid_toks is None:
             raise ValueError("DraftLossWrapper: global_valid_toks must not be None")
-        policy_loss, metrics = self.loss_fn(
-            next_token_logits, data, global_valid_seqs, global_valid_toks, **kwargs
-        )
-        metrics = dict(metrics)
+        policy_loss, metrics = self.loss_fn(next_token_logits, data, global_valid_seqs, global_valid_toks, **kwargs)
+        groups = dict(vocab_parallel_rank=self.vocab_parallel_rank, vocab_parallel_group=self.vocab_parallel_group)
         if self.layout is not None:
-            draft = self._packed_draft_loss(next_token_logits, data, global_valid_seqs, global_valid_toks)
-        else:
-            loss_input, draft_data = self.prepare_fn(
-                logits=next_token_logits, data=data, loss_fn=self.draft_loss_fn,
-                vocab_parallel_rank=self.vocab_parallel_rank,
-                vocab_parallel_group=self.vocab_parallel_group,
-                context_parallel_group=self.context_parallel_group,
+            draft = packed_draft_soft_ce(
+                next_token_logits, data, global_valid_seqs, global_valid_toks, draft_loss_fn=self.draft_loss_fn,
+                layout=self.layout, student_logits=self.student_logits, draft_vocab=self.draft_vocab, **groups,
             )
-            if self.defer_normalization:
-                stats = self.draft_loss_fn.loss_stats(data=draft_data, **loss_input)
-                draft = stats.normalized(torch.ones_like(stats.counts))
-                metrics["_draft_step_numerator"] = stats.numerators.sum().detach()
-                metrics["_draft_step_count"] = stats.counts.sum().detach()
-            else:
-                draft = self.draft_loss_fn(
-                    data=draft_data, global_valid_seqs=global_valid_seqs,
-                    global_valid_toks=global_valid_toks, **loss_input,
-                )
-        metrics["draft_loss"] = draft.detach()
-        if not self.defer_normalization:
-            metrics["total_loss"] = metrics["loss"] + self.loss_weight * draft.detach()
-        return policy_loss + self.loss_weight * draft, metrics
-
-    def _packed_draft_loss(
-        self,
-        next_token_logits: torch.Tensor,
-        data: Mapping[str, torch.Tensor],
-        global_valid_seqs: torch.Tensor | None,
-        global_valid_toks: torch.Tensor,
-    ) -> torch.Tensor:
-        layout = _on_device(self.layout, next_token_logits.device)
-        student = layout.slots(self.student_logits, "student_logits")
-        teacher = map_teacher_logits_to_draft_vocab(
-            layout.slots(next_token_logits, "next_token_logits").detach(), self.d2t,
-            self.vocab_parallel_rank, self.vocab_parallel_group,
+            extra = {}
+        else:
+            draft, extra = draft_soft_ce(
+                next_token_logits, data, global_valid_seqs, global_valid_toks, draft_loss_fn=self.draft_loss_fn,
+                prepare_fn=self.prepare_fn, defer_normalization=self.defer_normalization,
+                context_parallel_group=self.context_parallel_group, **groups,
+            )
+        loss, metrics = with_draft_loss(
+            policy_loss, metrics, draft, self.loss_weight, report_total=not self.defer_normalization
         )
-        data = layout.pad_data(data)
-        mask = layout.pack(data["token_mask"] * data["sample_mask"][:, None])
-        return self.draft_loss_fn(
-            teacher_logits=layout.roll(teacher)[None],
-            student_logits=student[None],
-            token_mask=layout.roll(mask)[None],
-            data={"sample_mask": mask.new_ones(1)},
-            global_valid_seqs=global_valid_seqs,
-            global_valid_toks=global_valid_toks,
-        )
+        return loss, {**metrics, **extra}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftRuntimeLossWrapper:
     """Policy loss + `draft_runtime.loss_weight` × the co-trained drafter's loss (ref §7.5).
 
-    `draft_runtime` is any object with `loss_weight` and
-    `compute_loss(prepared_data) -> (loss, metrics)`.
+    `draft_runtime` is any `compiled_loss.draft.DraftRuntime` (an object with
+    `loss_weight` and `compute_loss(prepared_data) -> (loss, metrics)`).
     """
 
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]]
     prepare_fn: Callable[..., Any]
-    draft_runtime: Any
+    draft_runtime: DraftRuntime
 
     def __post_init__(self) -> None:
         for attr in ("loss_weight", "compute_loss"):
@@ -323,5 +234,4 @@ class DraftRuntimeLossWrapper:
             global_valid_toks=global_valid_toks, **loss_input,
         )
         draft_loss, draft_metrics = self.draft_runtime.compute_loss(prepared)
-        metrics = {**metrics, **draft_metrics}
-        return policy_loss + self.draft_runtime.loss_weight * draft_loss, metrics
+        return policy_loss + self.draft_runtime.loss_weight * draft_loss, {**metrics, **draft_metrics}

@@ -40,3 +40,62 @@ def clipped_pg_data(rows: int = 1, width: int = 4, vocab: int = 8) -> dict[str, 
         "generation_logprobs": torch.zeros(rows, width),
         "reference_policy_logprobs": torch.zeros(rows, width),
     }
+
+
+def message(fn, *args, **kwargs) -> str:
+    """`"<ExceptionType>: <message>"` of the error `fn(*args, **kwargs)` raises (pinned by tests)."""
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("no error raised")
+
+
+def cumsum(lengths: list[int]) -> tuple[int, ...]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+def pack_rows(unpacked: torch.Tensor, lengths: list[int], cu_padded: tuple[int, ...],
+               filler: torch.Tensor) -> torch.Tensor:
+    """Differentiable packing `[B, S, ...]` → `[1, T, ...]`: segment i occupies slots
+    `[cu_padded[i], cu_padded[i+1])`, its first `min(L_i, S)` slots hold row i's first
+    positions, the other slots come from `filler` (`[T, ...]`, arbitrary junk)."""
+    width = unpacked.shape[1]
+    pieces = []
+    for i, length in enumerate(lengths):
+        c = min(length, width)
+        start, end = cu_padded[i], cu_padded[i + 1]
+        pieces.append(unpacked[i, :c])
+        pieces.append(filler[start + c:end])
+    return torch.cat(pieces, 0)[None]
+
+
+def padding_slots(lengths: list[int], cu_padded: tuple[int, ...], width: int) -> torch.Tensor:
+    keep = torch.zeros(cu_padded[-1], dtype=torch.bool)
+    for i, length in enumerate(lengths):
+        keep[cu_padded[i]:cu_padded[i] + min(length, width)] = True
+    return ~keep
+
+
+_SYNC_CALLS = {"item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__", "unique", "masked_select"}
+
+
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Records the tensor calls that read device values on the host (`.item()`,
+    `.tolist()`, `nonzero`, `bool(t)`, boolean-mask indexing, …) made inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        bool_index = name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args[1:]
+        )
+        if name in _SYNC_CALLS or bool_index:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,365 @@
+"""`compiled-loss-audit` (also `python tools/audit.py`): the graph-break / recompile gate.
+
+Sweeps a matrix of configurations — by default every loss × packing mode × draft runtime ×
+dtype — and for each drives (1) the compiled packing wrapper over `batches` micro-batches
+drawn from a realistic RL length distribution and (2) the compiled training step over
+`steps` steps. For each it reports graphs, graph breaks (reason, file:line), in-graph host
+syncs, frames that fell back to eager, compiles and recompiles (with the failed guard),
+buckets hit, compile seconds and warm call time — as a terminal table, `audit.json` and
+`audit.md`. It exits non-zero when any configuration has a break, a sync or an eager
+fallback, compiles more often than it hit distinct buckets, or recompiles on a bucket it
+had already compiled.
+
+    compiled-loss-audit                                   # the full default matrix
+    compiled-loss-audit loss=clipped_pg,dpo packing=fused dtype=bf16 batches=50
+    compiled-loss-audit --target mypkg.losses:my_loss --inputs mypkg.losses:samples
+
+`--target` audits any callable: the `--inputs` factory returns an iterable of
+`(args, kwargs)` samples; a bucket is the samples' tensor shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compiled_loss.train.recorder import CompileRecorder, CompileReport
+
+Tensor = torch.Tensor
+
+LOSSES = ("clipped_pg", "gspo", "cispo", "reinforce", "nll", "dpo", "distillation", "mse_value")
+PACKINGS = ("none", "per_sequence", "fused")
+DRAFTS = ("none",)
+DTYPES = ("fp32", "bf16")
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Small model / data sizes: what is audited is tracing, not speed.
+_SIZES = [
+    "model.vocab_size=256", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=160",
+    "data.prompts=4", "data.group_size=4", "data.modulus=32", "data.teacher_topk=8",
+    "packing.tokens=128", "packing.rows=4", "packing.width=64", "run.micro_batches=2",
+]
+
+
+@dataclasses.dataclass
+class Drive:
+    """One audited callable: its compile report plus what the audit tracked per call."""
+
+    name: str
+    report: CompileReport
+    buckets: int = 0
+    warm_ms: float | None = None
+    recompiled_seen_buckets: list[str] = dataclasses.field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        out = self.report.problems()
+        if self.report.compiles > self.buckets:
+            out.append(f"{self.report.compiles} compiles for {self.buckets} distinct buckets")
+        out += [f"recompiled an already-compiled bucket {b}" for b in self.recompiled_seen_buckets]
+        return out
+
+    def row(self) -> dict[str, Any]:
+        r = self.report
+        return {
+            "name": self.name,
+            "calls": r.calls,
+            "graphs": len(r.graphs),
+            "graph_breaks": [f"{g.break_location}: {g.break_reason}" for g in r.graph_breaks],
+            "syncs": [f"{g.compile_id}: {g.sync_ops}" for g in r.graphs if g.sync_ops],
+            "eager_fallbacks": [f"{f.frame} @ {f.fail_location}: {f.fail_reason}" for f in r.eager_fallbacks],
+            "compiles": r.compiles,
+            "recompiles": [f"{f.compile_id}: {f.recompile_reason}" for f in r.recompiles],
+            "buckets": self.buckets,
+            "compile_s": round(r.compile_seconds, 2),
+            "warm_ms": None if self.warm_ms is None else round(self.warm_ms, 3),
+            "failures": self.failures(),
+        }
+
+
+def drive(name: str, fn: Callable[..., Any], samples: Iterable[tuple[Any, Any, Any]], backend: str,
+          fullgraph: bool = True, dynamic: bool | None = None,
+          after: Callable[[Any], None] | None = None) -> Drive:
+    """Compile `fn` with a recorder and call it on `(bucket, args, kwargs)` samples;
+    `after(output)` runs on each result (e.g. the backward)."""
+    torch._dynamo.reset()
+    recorder = CompileRecorder(backend, name)
+    compiled = recorder.compile(fn, fullgraph=fullgraph, dynamic=dynamic)
+    result = Drive(name, recorder.report)
+    seen: set[Any] = set()
+    warm: list[float] = []
+    for bucket, args, kwargs in samples:
+        before = recorder.report.compiles
+        start = time.perf_counter()
+        output = compiled(*args, **kwargs)
+        if after is not None:
+            after(output)
+        elapsed = time.perf_counter() - start
+        if recorder.report.compiles > before and bucket in seen:
+            result.recompiled_seen_buckets.append(str(bucket))
+        if recorder.report.compiles == before:
+            warm.append(elapsed)
+        seen.add(bucket)
+    result.buckets = len(seen)
+    result.warm_ms = 1000 * statistics.median(warm) if warm else None
+    return result
+
+
+# ---- the project's own matrix ---------------------------------------------------------
+
+
+def _config(loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int):
+    from compiled_loss.app import compose_config
+
+    overrides = [f"loss={loss}", f"packing={packing}", f"draft={draft}", f"compile.backend={backend}",
+                 f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}", f"run.steps={steps}", *_SIZES]
+    return compose_config(*overrides)
+
+
+def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
+    """`(bucket, args, kwargs)` for the packing wrapper (or the unpacked loss) on synthetic
+    RL micro-batches with random logits."""
+    from compiled_loss.config import PackingMode, build_loss, loss_family
+    from compiled_loss.demo.data import sample_batch
+    from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input
+    from compiled_loss.packing import PackedLayout, pad_to_bucket, round_to_bucket
+    from compiled_loss.train.step import packed_boundaries
+
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    loss_fn = build_loss(cfg.loss)
+    family = loss_family(cfg.loss)
+    mode, grid = cfg.packing.mode, cfg.packing.grid()
+    vocab = 1 if family == "value" else cfg.model.vocab_size
+    for _ in range(batches):
+        batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo")
+        lengths = batch.pop("input_lengths").tolist()  # host
+        data = {**batch, **_random_model_outputs(batch, cfg, gen)}
+        rows = len(lengths)
+        if mode == PackingMode.none:
+            data = pad_to_bucket(data, rows, round_to_bucket(rows, grid.rows, grid.per_octave), grid)
+            logits = torch.randn(*data["input_ids"].shape, vocab, generator=gen).to(dtype).requires_grad_()
+            bucket = tuple(logits.shape)
+            yield bucket, (logits, data, loss_fn, prepare_loss_input, None), {}
+        else:
+            cu, cu_padded = packed_boundaries(lengths, cfg.packing.pad_to_multiple)
+            layout = PackedLayout.build(cu, cu_padded, grid=grid)
+            data = layout.pad_data(data)
+            logits = torch.randn(1, layout.tokens, vocab, generator=gen).to(dtype).requires_grad_()
+            bucket = (layout.tokens,) + tuple(data["input_ids"].shape)
+            prepare = prepare_packed_loss_input if mode == PackingMode.fused else prepare_loss_input
+            yield bucket, (logits, data, loss_fn, prepare, layout), {"fused": mode == PackingMode.fused}
+
+
+def _random_model_outputs(batch: dict[str, Tensor], cfg, gen: torch.Generator) -> dict[str, Tensor]:
+    """The model-produced keys of every loss, random but plausible."""
+    rows, width = batch["input_ids"].shape
+    lp = -torch.rand(rows, width, generator=gen) * 4
+    k = cfg.data.teacher_topk
+    return {
+        "prev_logprobs": lp + 0.05 * torch.randn(rows, width, generator=gen),
+        "generation_logprobs": lp,
+        "reference_policy_logprobs": lp + 0.1 * torch.randn(rows, width, generator=gen),
+        "teacher_topk_logits": torch.randn(rows, width, k, generator=gen),
+        "teacher_topk_indices": torch.randint(0, cfg.model.vocab_size, (rows, width, k), generator=gen),
+        "values": torch.randn(rows, width, generator=gen),
+        "returns": batch["rewards"][:, None] * batch["token_mask"],
+    }
+
+
+def _wrapper_call(logits, data, loss_fn, prepare_fn, layout, fused: bool = False):
+    """The audited wrapper call (its backward runs after it, compiled by AOTAutograd)."""
+    from compiled_loss.packing import sequence_packing_loss, wrap_loss_fn_with_input_preparation
+
+    g_seqs = data["sample_mask"].sum()
+    g_toks = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
+    if layout is None:
+        loss, metrics = wrap_loss_fn_with_input_preparation(
+            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn)
+    else:
+        loss, metrics = sequence_packing_loss(
+            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, layout=layout, fused=fused)
+    return loss, metrics
+
+
+def _audit_step(cfg, name: str, seed: int) -> Drive:
+    """Drive the compiled training step (model forward + loss + backward + optimizer)."""
+    import copy
+
+    from compiled_loss.config import loss_family
+    from compiled_loss.demo.data import rollout, sample_batch
+    from compiled_loss.demo.model import TinyLM
+    from compiled_loss.train import build_train_step
+
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    family = loss_family(cfg.loss)
+    model = TinyLM(cfg.model, value_head=family == "value")
+    reference = copy.deepcopy(model).requires_grad_(False)
+    step = build_train_step(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    result = Drive(name, step.recorder.report)
+    warm: list[float] = []
+    for _ in range(cfg.run.steps):
+        batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
+        batch = rollout(batch, family, policy=model, reference=reference, teacher=reference, topk=cfg.data.teacher_topk)
+        seen, before = set(step.buckets), step.compiles
+        outcome = step(batch)
+        new = step.buckets - seen
+        if step.compiles > before + len(new):
+            result.recompiled_seen_buckets.append(f"step {len(warm)}: {sorted(step.buckets & seen)}")
+        if step.compiles == before:
+            warm.append(outcome.seconds)
+    result.buckets = len(step.buckets)
+    result.warm_ms = 1000 * statistics.median(warm) if warm else None
+    return result
+
+
+def audit_matrix(losses, packings, drafts, dtypes, backend: str, batches: int, steps: int) -> list[Drive]:
+    drives = []
+    for loss, packing, draft, dtype in itertools.product(losses, packings, drafts, dtypes):
+        cfg = _config(loss, packing, draft, dtype, backend, steps)
+        label = f"{loss}/{packing}/{draft}/{dtype}"
+        samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
+        found = [drive(f"{label} wrapper", _wrapper_call, samples, backend, dynamic=cfg.compile.dynamic,
+                       after=lambda out: out[0].backward())]
+        if steps:
+            found.append(_audit_step(cfg, f"{label} step", seed=len(drives)))
+        for d in found:
+            print(_line(d), flush=True)
+        drives += found
+    return drives
+
+
+# ---- user targets ---------------------------------------------------------------------
+
+
+def _load(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(f"expected 'package.module:name', got {spec!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _bucket_of(value: Any) -> Any:
+    """Shapes and dtypes of every tensor inside `value` (the compile-relevant signature)."""
+    if isinstance(value, Tensor):
+        return (tuple(value.shape), str(value.dtype))
+    if isinstance(value, dict):
+        return tuple((k, _bucket_of(v)) for k, v in sorted(value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_bucket_of(v) for v in value)
+    return None
+
+
+def audit_target(target: str, inputs: str, backend: str, fullgraph: bool) -> Drive:
+    fn, factory = _load(target), _load(inputs)
+    samples = ((_bucket_of((args, kwargs)), args, kwargs) for args, kwargs in factory())
+    return drive(target, fn, samples, backend, fullgraph=fullgraph)
+
+
+# ---- reporting ------------------------------------------------------------------------
+
+
+def _line(d: Drive) -> str:
+    r = d.row()
+    status = "ok" if not r["failures"] else "FAIL"
+    warm = "-" if r["warm_ms"] is None else f"{r['warm_ms']:.2f}"
+    return (f"{r['name']:<44} {r['calls']:>5} {r['graphs']:>6} {len(r['graph_breaks']):>6} {len(r['syncs']):>5} "
+            f"{len(r['eager_fallbacks']):>6} {r['compiles']:>8} {len(r['recompiles']):>10} {r['buckets']:>7} "
+            f"{r['compile_s']:>9.2f} {warm:>9}  {status}")
+
+
+HEADER = (f"{'configuration':<44} {'calls':>5} {'graphs':>6} {'breaks':>6} {'syncs':>5} {'eager':>6} "
+          f"{'compiles':>8} {'recompiles':>10} {'buckets':>7} {'compile_s':>9} {'warm_ms':>9}  status")
+
+
+def markdown(drives: list[Drive]) -> str:
+    lines = ["# compiled_loss compile audit", "",
+             "| configuration | calls | graphs | breaks | syncs | eager fallbacks | compiles | recompiles "
+             "| buckets | compile s | warm ms | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in drives:
+        r = d.row()
+        lines.append(
+            f"| {r['name']} | {r['calls']} | {r['graphs']} | {len(r['graph_breaks'])} | {len(r['syncs'])} | "
+            f"{len(r['eager_fallbacks'])} | {r['compiles']} | {len(r['recompiles'])} | {r['buckets']} | "
+            f"{r['compile_s']} | {r['warm_ms']} | {'ok' if not r['failures'] else 'FAIL'} |")
+    failing = [d for d in drives if d.failures()]
+    if failing:
+        lines += ["", "## Failures", ""]
+        for d in failing:
+            lines += [f"### {d.name}", ""] + [f"- {f}" for f in d.failures()] + [""]
+    recompiling = [d for d in drives if d.report.recompiles]
+    if recompiling:
+        lines += ["", "## Recompile reasons (guard that failed)", ""]
+        for d in recompiling:
+            lines += [f"- {d.name}: {f.compile_id} {f.recompile_reason}" for f in d.report.recompiles]
+    return "\n".join(lines) + "\n"
+
+
+def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
+    allowed = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES}
+    out: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in (*allowed, "batches", "steps", "backend"):
+            raise SystemExit(
+                f"bad override {item!r}: expected key=value[,value...] with key in "
+                f"{sorted((*allowed, 'batches', 'steps', 'backend'))}")
+        values = value.split(",")
+        if key in allowed:
+            bad = [v for v in values if v not in allowed[key]]
+            if bad:
+                raise SystemExit(f"{key}={','.join(bad)}: not a valid choice; valid choices: {list(allowed[key])}")
+        out[key] = values
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="compiled-loss-audit", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "overrides", nargs="*", help="loss=…, packing=…, draft=…, dtype=…, batches=N, steps=N, backend=…"
+    )
+    parser.add_argument("--target", help="audit a callable instead: package.module:function")
+    parser.add_argument("--inputs", help="with --target: package.module:factory returning (args, kwargs) samples")
+    parser.add_argument("--no-fullgraph", action="store_true", help="with --target: allow graph breaks to be counted")
+    parser.add_argument("--out", default="audit_out", help="directory for audit.json and audit.md")
+    args = parser.parse_args(argv)
+    opts = _parse_overrides(args.overrides)
+    backend = opts.get("backend", ["inductor"])[0]
+    print(HEADER, flush=True)
+    if args.target:
+        if not args.inputs:
+            parser.error("--target needs --inputs")
+        drives = [audit_target(args.target, args.inputs, backend, fullgraph=not args.no_fullgraph)]
+        print(_line(drives[0]))
+    else:
+        drives = audit_matrix(
+            opts.get("loss", LOSSES), opts.get("packing", PACKINGS), opts.get("draft", DRAFTS),
+            opts.get("dtype", DTYPES), backend, int(opts.get("batches", ["200"])[0]),
+            int(opts.get("steps", ["20"])[0]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit.json").write_text(json.dumps([d.row() for d in drives], indent=2) + "\n")
+    (out / "audit.md").write_text(markdown(drives))
+    failing = [d for d in drives if d.failures()]
+    for d in failing:
+        print(f"\nFAIL {d.name}:\n  " + "\n  ".join(d.failures()))
+    print(f"\n{len(drives) - len(failing)}/{len(drives)} configurations clean; report in {out}/audit.md")
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

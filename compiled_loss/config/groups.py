@@ -1,0 +1,284 @@
+"""Typed configs of the config groups other than `loss` (plain dataclasses; the Hydra
+application registers them as schemas). Each validates its own fields when constructed:
+types, finiteness and ranges, with messages that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from compiled_loss.losses.common import ConfigError, check_fields, require
+from compiled_loss.packing import BucketGrid
+from compiled_loss.vocab import TrainingSamplingParams
+
+
+def _fields(cfg: object, group: str) -> None:
+    """`check_fields` with the group's name in front of each key."""
+    try:
+        check_fields(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{group}.{e}") from None
+
+
+def _at_least(cfg: object, group: str, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        require(value >= minimum, f"{group}.{name} must be >= {minimum}, got {value}")
+
+
+class PackingMode(enum.Enum):
+    none = "none"  # padded [B, S] micro-batches
+    per_sequence = "per_sequence"  # SequencePackingLossWrapper semantics
+    fused = "fused"  # SequencePackingFusionLossWrapper
+
+
+@dataclasses.dataclass(kw_only=True)
+class PackingConfig:
+    """How micro-batches are laid out for the model and the loss."""
+
+    mode: PackingMode = PackingMode.fused
+    """none: padded [B, S] rows; per_sequence / fused: one packed [1, T] row per micro-batch."""
+    pad_to_multiple: int = 8
+    """Each packed sequence is padded to a multiple of this (Megatron's pad_individual_seqs_to_multiple_of)."""
+    tokens: int = 256
+    """Bucket grid step of the packed length T."""
+    rows: int = 8
+    """Bucket grid step of the number of sequences (1 or even)."""
+    width: int = 128
+    """Bucket grid step of the row width S."""
+    per_octave: int = 2
+    """At most this many buckets per power-of-two octave of each size (0: plain grid)."""
+
+    def grid(self) -> BucketGrid:
+        return BucketGrid(tokens=self.tokens, rows=self.rows, width=self.width, per_octave=self.per_octave)
+
+    def __post_init__(self) -> None:
+        _fields(self, "packing")
+        _at_least(self, "packing", 1, "pad_to_multiple")
+        try:
+            self.grid()
+        except ValueError as e:
+            raise ValueError(f"packing: {e}") from None
+
+
+@dataclasses.dataclass(kw_only=True)
+class DraftConfig:
+    """Co-trained drafter."""
+
+    name: str = "none"
+    """The draft runtime; 'none' trains the policy alone."""
+
+    def __post_init__(self) -> None:
+        require(self.name == "none", f"draft={self.name!r} is not a draft runtime; valid choices: ['none']")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel sizes; the product must equal the world size."""
+
+    tp: int = 1
+    """Tensor (vocabulary) parallel size."""
+    cp: int = 1
+    """Context (sequence) parallel size."""
+    dp: int = 1
+    """Data parallel size."""
+
+    def __post_init__(self) -> None:
+        _fields(self, "parallel")
+        for key, what in (("tp", "tensor"), ("cp", "context"), ("dp", "data")):
+            size = getattr(self, key)
+            require(size >= 1, f"parallel.{key} must be >= 1, got {size}")
+            require(
+                size == 1,
+                f"parallel.{key}={size}: compiled_loss runs single-process ({what} parallel size 1); "
+                f"use parallel.{key}=1",
+            )
+
+
+_COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass(kw_only=True)
+class CompileConfig:
+    """torch.compile of the training step (model forward + loss)."""
+
+    enabled: bool = True
+    """False runs the step eagerly."""
+    backend: str = "inductor"
+    """A torch.compile backend: inductor, aot_eager, eager, …"""
+    mode: str | None = None
+    """Inductor's mode (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs)."""
+    fullgraph: bool = True
+    """Fail on a graph break instead of splitting the graph."""
+    dynamic: bool | None = False
+    """False: one compile per bucket (static shapes); True: one compile in all; None: torch's default."""
+
+    def __post_init__(self) -> None:
+        backends = sorted(torch._dynamo.list_backends(exclude_tags=()))
+        require(
+            self.backend in backends,
+            f"compile.backend={self.backend!r} is not a torch.compile backend; valid choices: {backends}",
+        )
+        require(self.mode in _COMPILE_MODES, f"compile.mode={self.mode!r}; valid choices: {list(_COMPILE_MODES)}")
+        require(
+            self.mode is None or self.backend == "inductor",
+            f"compile.mode={self.mode!r} needs compile.backend=inductor, got {self.backend!r}",
+        )
+
+
+@dataclasses.dataclass(kw_only=True)
+class LogprobConfig:
+    """How log-probs are computed from the logits (log-prob losses)."""
+
+    top_k: int | None = None
+    """Generation-time top-k filter; None or <= 0 disables."""
+    top_p: float = 1.0
+    """Generation-time nucleus filter in (0, 1]; 1.0 disables."""
+    temperature: float = 1.0
+    """The logits are divided by it before the loss; finite and > 0."""
+    chunk_size: int | None = None
+    """Rows per chunk of the vocab primitive in eager mode (None: ~4 MiB of fp32)."""
+
+    def sampling_params(self) -> TrainingSamplingParams | None:
+        if self.top_k is None and self.top_p == 1.0 and self.temperature == 1.0:
+            return None
+        return TrainingSamplingParams(self.top_k, self.top_p, self.temperature)
+
+    def __post_init__(self) -> None:
+        _fields(self, "logprob")
+        try:
+            self.sampling_params()
+        except ValueError as e:
+            raise ValueError(f"logprob: {e}") from None
+        if self.chunk_size is not None:
+            _at_least(self, "logprob", 1, "chunk_size")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW."""
+
+    lr: float = 3e-3
+    """Learning rate; > 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay; >= 0."""
+    beta1: float = 0.9
+    """First-moment decay in [0, 1)."""
+    beta2: float = 0.95
+    """Second-moment decay in [0, 1)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this (> 0); None disables."""
+
+    def __post_init__(self) -> None:
+        _fields(self, "optim")
+        require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            require(0 <= value < 1, f"optim.{name} must be in [0, 1), got {value}")
+        clip = self.grad_clip
+        require(clip is None or clip > 0, f"optim.grad_clip must be > 0 (or null to disable), got {clip}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    """The training loop."""
+
+    steps: int = 20
+    """Optimizer steps."""
+    micro_batches: int = 2
+    """Micro-batches per step (gradients accumulate)."""
+    seed: int = 0
+    """Seed of the model init and the data."""
+    log_every: int = 1
+    """Print a progress line every this many steps."""
+
+    def __post_init__(self) -> None:
+        _fields(self, "run")
+        _at_least(self, "run", 1, "steps", "micro_batches", "log_every")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """The embedded causal LM (random init)."""
+
+    vocab_size: int = 2048
+    """Vocabulary size."""
+    hidden_size: int = 128
+    """Width of the residual stream (divisible by num_heads)."""
+    num_layers: int = 2
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads."""
+    mlp_ratio: int = 4
+    """MLP width / hidden_size."""
+    max_positions: int = 1024
+    """Learned positions (longest packed sequence)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16."""
+
+    def __post_init__(self) -> None:
+        _fields(self, "model")
+        _at_least(self, "model", 1, "vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_ratio",
+                  "max_positions")
+        require(
+            self.hidden_size % self.num_heads == 0,
+            f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})",
+        )
+        require(
+            self.dtype in ("float32", "bfloat16"), f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}"
+        )
+
+
+TASK_SPECIAL_TOKENS = 3  # PAD, BOS, EOS precede the task's values in the vocabulary
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataConfig:
+    """The synthetic task: continue an arithmetic progression modulo `modulus`."""
+
+    prompts: int = 8
+    """Prompts per global batch."""
+    group_size: int = 4
+    """Responses per prompt (a GRPO group; DPO uses one pair per prompt)."""
+    prompt_terms_min: int = 3
+    """Fewest progression terms in a prompt."""
+    prompt_terms_max: int = 8
+    """Most progression terms in a prompt."""
+    response_median: float = 16.0
+    """Median response length (log-normal, > 0)."""
+    response_sigma: float = 0.7
+    """Log-normal sigma of the response length (>= 0)."""
+    response_max: int = 96
+    """Longest response."""
+    modulus: int = 64
+    """Values are taken modulo this (the task vocabulary)."""
+    max_stride: int = 3
+    """Largest progression stride."""
+    error_rate_max: float = 0.6
+    """Responses are drawn with a per-token error rate in [0, this], in [0, 1]."""
+    teacher_topk: int = 16
+    """Teacher top-k width for distillation."""
+
+    def __post_init__(self) -> None:
+        _fields(self, "data")
+        _at_least(self, "data", 1, "prompts", "group_size", "prompt_terms_min", "response_max", "modulus",
+                  "max_stride", "teacher_topk")
+        require(
+            self.prompt_terms_max >= self.prompt_terms_min,
+            f"data.prompt_terms_max ({self.prompt_terms_max}) must be >= data.prompt_terms_min "
+            f"({self.prompt_terms_min})",
+        )
+        require(self.response_median > 0, f"data.response_median must be > 0, got {self.response_median}")
+        require(self.response_sigma >= 0, f"data.response_sigma must be >= 0, got {self.response_sigma}")
+        require(0.0 <= self.error_rate_max <= 1.0, f"data.error_rate_max must be in [0, 1], got {self.error_rate_max}")
+
+    def max_length(self) -> int:
+        """Longest sequence: BOS + prompt + response + EOS."""
+        return 1 + self.prompt_terms_max + self.response_max + 1
+
+    def vocab_needed(self) -> int:
+        """Token ids the task uses: the special tokens, then `modulus` values."""
+        return TASK_SPECIAL_TOKENS + self.modulus

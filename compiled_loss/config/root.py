@@ -1,0 +1,80 @@
+"""The whole run's typed config, and the checks that span groups."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from compiled_loss.config.groups import (
+    CompileConfig,
+    DataConfig,
+    DraftConfig,
+    LogprobConfig,
+    ModelConfig,
+    OptimConfig,
+    PackingConfig,
+    ParallelConfig,
+    RunConfig,
+)
+from compiled_loss.config.losses import ClippedPgLossOption, build_loss, loss_family
+from compiled_loss.interfaces import LossInputType
+from compiled_loss.losses.common import require
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config:
+    """One training run: a loss and every other group (see `compiled_loss.config.groups`)."""
+
+    loss: Any = None
+    """A loss option (`compiled_loss.config.losses`); None: GRPO with the reference's defaults."""
+    packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)
+    draft: DraftConfig = dataclasses.field(default_factory=DraftConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    logprob: LogprobConfig = dataclasses.field(default_factory=LogprobConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        """Cross-group checks; each group checked its own fields when it was built."""
+        if self.loss is None:
+            self.loss = ClippedPgLossOption()
+        loss = build_loss(self.loss)
+        name, family = self.loss.name, loss_family(self.loss)
+        logprob = self.logprob
+        if loss.input_type != LossInputType.LOGPROB:
+            for key, value, default in (("top_k", logprob.top_k, None), ("top_p", logprob.top_p, 1.0),
+                                        ("chunk_size", logprob.chunk_size, None)):
+                require(
+                    value == default,
+                    f"logprob.{key}={value} applies to log-prob losses only; loss={name} reads "
+                    f"{loss.input_type.value} inputs",
+                )
+        require(
+            family != "value" or logprob.temperature == 1.0,
+            f"logprob.temperature={logprob.temperature} has no meaning for loss={name} (a value head)",
+        )
+        pairs = family == "dpo"
+        units = self.data.prompts if pairs else self.data.prompts * self.data.group_size
+        require(
+            self.run.micro_batches <= units,
+            f"run.micro_batches={self.run.micro_batches} exceeds the {units} {'pairs' if pairs else 'rows'} of a "
+            f"global batch (data.prompts × {'1 pair' if pairs else 'data.group_size'})",
+        )
+        longest = self.data.max_length() + self.packing.pad_to_multiple
+        require(
+            self.model.max_positions >= longest,
+            f"model.max_positions={self.model.max_positions} is shorter than the longest padded sequence the "
+            f"data can produce ({longest}: data.prompt_terms_max + data.response_max + 2 + packing.pad_to_multiple)",
+        )
+        require(
+            self.data.vocab_needed() <= self.model.vocab_size,
+            f"data.modulus={self.data.modulus} needs model.vocab_size >= {self.data.vocab_needed()}, "
+            f"got {self.model.vocab_size}",
+        )
+        require(
+            family != "distillation" or self.data.teacher_topk <= self.model.vocab_size,
+            f"data.teacher_topk={self.data.teacher_topk} exceeds model.vocab_size={self.model.vocab_size}",
+        )

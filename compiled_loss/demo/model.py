@@ -1,0 +1,68 @@
+"""A small causal LM for the embedded default run (random init, no download).
+
+Pre-norm transformer with learned positions. Attention is causal and restricted to the
+token's own segment, so one model serves the padded `[B, S]` layout (one segment per row)
+and the packed `[1, T]` layout (one segment per sequence, positions restarting at 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compiled_loss.config import ModelConfig
+
+Tensor = torch.Tensor
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.heads = cfg.num_heads
+        self.norm1 = nn.RMSNorm(h)
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.proj = nn.Linear(h, h, bias=False)
+        self.norm2 = nn.RMSNorm(h)
+        self.up = nn.Linear(h, cfg.mlp_ratio * h, bias=False)
+        self.down = nn.Linear(cfg.mlp_ratio * h, h, bias=False)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        rows, length, hidden = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(rows, length, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(attn.transpose(1, 2).reshape(rows, length, hidden))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyLM(nn.Module):
+    """`forward(input_ids, position_ids, segment_ids) -> logits [R, L, V]` (or values
+    `[R, L, 1]` with `value_head=True`, a PPO critic); with `return_hidden=True` also the
+    hidden states after the embedding and after each block."""
+
+    def __init__(self, cfg: ModelConfig, value_head: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size)
+        self.head = nn.Linear(cfg.hidden_size, 1 if value_head else cfg.vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        self.to(getattr(torch, cfg.dtype))
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, segment_ids: Tensor, return_hidden: bool = False
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        length = input_ids.shape[1]
+        index = torch.arange(length, device=input_ids.device)
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (index[None, :] <= index[:, None])
+        x = self.embed(input_ids) + self.pos(position_ids)
+        hidden = [x]
+        for block in self.blocks:
+            x = block(x, mask[:, None])
+            hidden.append(x)
+        logits = self.head(self.norm(x))
+        return (logits, hidden) if return_hidden else logits

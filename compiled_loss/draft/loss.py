@@ -1,0 +1,97 @@
+"""Draft losses next to the policy loss, as functions (the seed's `DraftLossWrapper` and
+`DraftRuntimeLossWrapper` are frozen partial applications of these, see
+`compiled_loss.wrapper`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from compiled_loss.losses.common import require_keys
+from compiled_loss.losses.draft_ce import DraftCrossEntropyLossFn
+from compiled_loss.packing import PackedLayout
+from compiled_loss.vocab import DraftVocab, map_teacher_logits_to_draft_vocab
+
+Tensor = torch.Tensor
+
+
+def draft_soft_ce(
+    next_token_logits: Tensor,
+    data: Mapping[str, Tensor],
+    global_valid_seqs: Tensor | None,
+    global_valid_toks: Tensor,
+    *,
+    draft_loss_fn: DraftCrossEntropyLossFn,
+    prepare_fn: Callable[..., Any],
+    defer_normalization: bool = False,
+    **groups: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Unpacked `[B, S, V]`: `prepare_fn` (`prepare_loss_input` with `d2t` bound) builds the
+    shifted teacher and mask; the draft soft-CE is normalised by the POLICY's G_t (ref §7.4),
+    or — `defer_normalization` — left as a raw sum with its numerator and count reported."""
+    loss_input, draft_data = prepare_fn(logits=next_token_logits, data=data, loss_fn=draft_loss_fn, **groups)
+    if not defer_normalization:
+        draft = draft_loss_fn(
+            data=draft_data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
+            **loss_input,
+        )
+        return draft, {}
+    stats = draft_loss_fn.loss_stats(data=draft_data, **loss_input)
+    return stats.normalized(torch.ones_like(stats.counts)), {
+        "_draft_step_numerator": stats.numerators.sum().detach(),
+        "_draft_step_count": stats.counts.sum().detach(),
+    }
+
+
+def packed_draft_soft_ce(
+    next_token_logits: Tensor,
+    data: Mapping[str, Tensor],
+    global_valid_seqs: Tensor | None,
+    global_valid_toks: Tensor,
+    *,
+    draft_loss_fn: DraftCrossEntropyLossFn,
+    layout: PackedLayout,
+    student_logits: Tensor,
+    draft_vocab: DraftVocab | None,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: Any = None,
+) -> Tensor:
+    """Packed `[1, T, V]`: ONE soft-CE over the packed slots, the teacher shifted left by one
+    within each segment and mapped to the draft vocabulary, the mask `token_mask ·
+    sample_mask` packed and shifted the same way (ref §7.4 `_packed_draft_loss`)."""
+    require_keys(data, ("token_mask", "sample_mask"), "DraftLossWrapper (packed)")
+    layout = layout.on(next_token_logits.device)
+    student = layout.slots(student_logits, "student_logits")
+    teacher = map_teacher_logits_to_draft_vocab(
+        layout.slots(next_token_logits, "next_token_logits").detach(), draft_vocab,
+        vocab_parallel_rank, vocab_parallel_group,
+    )
+    data = layout.pad_data(data)
+    mask = layout.pack(data["token_mask"] * data["sample_mask"][:, None])
+    return draft_loss_fn(
+        teacher_logits=layout.roll(teacher)[None],
+        student_logits=student[None],
+        token_mask=layout.roll(mask)[None],
+        data={"sample_mask": mask.new_ones(1)},
+        global_valid_seqs=global_valid_seqs,
+        global_valid_toks=global_valid_toks,
+    )
+
+
+def with_draft_loss(
+    policy_loss: Tensor,
+    metrics: Mapping[str, Any],
+    draft_loss: Tensor,
+    loss_weight: float,
+    *,
+    report_total: bool = True,
+) -> tuple[Tensor, dict[str, Any]]:
+    """`policy_loss + loss_weight · draft_loss`, with `draft_loss` (always, even at weight 0)
+    and `total_loss` (of the policy loss received, not of a metric) in the metrics."""
+    metrics = dict(metrics)
+    metrics["draft_loss"] = draft_loss.detach()
+    if report_total:
+        metrics["total_loss"] = policy_loss.detach() + loss_weight * draft_loss.detach()
+    return policy_loss + loss_weight * draft_loss, metrics

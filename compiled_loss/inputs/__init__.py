@@ -1,0 +1,24 @@
+"""The inputs room: logits (unpacked `[B, S, V]` or packed `[1, T, V]`) → what each loss
+consumes (ref §5), through the vocab room, plus the teacher side of on-policy distillation.
+
+- `prepare`: `prepare_loss_input`, `prepare_packed_loss_input`,
+  `get_next_token_logprobs_from_logits`, `get_distillation_topk_logprobs_from_logits`;
+- `teacher`: `reconstruct_opd_full_teacher_logits`, `project_hidden_states_per_teacher`.
+"""
+
+from compiled_loss.inputs.prepare import (
+    get_distillation_topk_logprobs_from_logits,
+    get_next_token_logprobs_from_logits,
+    prepare_loss_input,
+    prepare_packed_loss_input,
+)
+from compiled_loss.inputs.teacher import project_hidden_states_per_teacher, reconstruct_opd_full_teacher_logits
+
+__all__ = [
+    "get_distillation_topk_logprobs_from_logits",
+    "get_next_token_logprobs_from_logits",
+    "prepare_loss_input",
+    "prepare_packed_loss_input",
+    "project_hidden_states_per_teacher",
+    "reconstruct_opd_full_teacher_logits",
+]

@@ -1,0 +1,48 @@
+"""The losses room: one module per family, each a frozen config plus a frozen loss object
+whose `__call__` is pure tensor math returning `(loss, metrics)` with 0-d tensor metrics
+under NeMo-RL's keys.
+
+- `common`: `masked_mean`, `calculate_kl`, mask / shape helpers, `ConfigError` and the
+  config checks;
+- `policy_gradient`: `ClippedPGLossConfig`, `ClippedPGLossFn`;
+- `nll`: `NLLLossFn`;
+- `preference`: `PreferenceLossFn`, `DPOLossConfig`, `DPOLossFn`;
+- `distillation`: `DistillationLossConfig`, `DistillationLossFn`;
+- `value`: `MseValueLossConfig`, `MseValueLossFn`;
+- `draft_ce`: `DraftCrossEntropyLossFn`, `DraftLossStats`.
+"""
+
+from compiled_loss.losses.common import ConfigError, calculate_kl, masked_mean
+from compiled_loss.losses.distillation import DistillationLossConfig, DistillationLossFn
+from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn, DraftLossStats
+from compiled_loss.losses.nll import NLLLossFn
+from compiled_loss.losses.policy_gradient import (
+    APPROX_ENTROPY_KEY,
+    KL_PENALTY_KEY,
+    ClippedPGLossConfig,
+    ClippedPGLossFn,
+)
+from compiled_loss.losses.preference import DPOLossConfig, DPOLossFn, PreferenceLossFn, check_pairs
+from compiled_loss.losses.value import MseValueLossConfig, MseValueLossFn
+
+__all__ = [
+    "APPROX_ENTROPY_KEY",
+    "DEFAULT_DRAFT_TOKEN_CHUNK_SIZE",
+    "KL_PENALTY_KEY",
+    "ClippedPGLossConfig",
+    "ClippedPGLossFn",
+    "ConfigError",
+    "DPOLossConfig",
+    "DPOLossFn",
+    "DistillationLossConfig",
+    "DistillationLossFn",
+    "DraftCrossEntropyLossFn",
+    "DraftLossStats",
+    "MseValueLossConfig",
+    "MseValueLossFn",
+    "NLLLossFn",
+    "PreferenceLossFn",
+    "calculate_kl",
+    "check_pairs",
+    "masked_mean",
+]

@@ -1,0 +1,198 @@
+"""What every loss family shares: the reference's numeric helpers (`masked_mean`,
+`calculate_kl`, ref §1.3, §3.1), mask and shape helpers, and the config checks.
+
+Config errors are `ConfigError`, both a `ValueError` and an `AssertionError`: the
+reference asserts (older releases) or raises ValueError (newer), and code written against
+either still catches it. Single-field checks run when a config object is constructed
+(`check_fields` plus each config's ranges); cross-field checks run when the loss is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from compiled_loss.interfaces import MetricNormalizer
+
+Tensor = torch.Tensor
+
+_C = TypeVar("_C")
+
+
+class ConfigError(ValueError, AssertionError):
+    """A refused loss configuration (a ValueError and an AssertionError)."""
+
+
+# ---- configs ------------------------------------------------------------------------
+
+
+def as_config(cfg: Any, cls: type[_C], who: str) -> _C:
+    """A config dataclass from itself or from a plain mapping (unknown keys rejected)."""
+    if isinstance(cfg, cls):
+        return cfg
+    if isinstance(cfg, Mapping):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ConfigError(f"{who}: unknown config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**cfg)
+    raise TypeError(f"{who}: cfg must be a {cls.__name__} or a mapping, got {type(cfg).__name__}")
+
+
+def _type_error(name: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def check_value(name: str, value: Any, annotation: Any) -> None:
+    """ConfigError unless `value` has type `annotation` (bool, int, float, str, Literal,
+    optionally `| None`). Ints pass for floats, bools never pass for numbers, and a float
+    must be finite (NaN and ±inf fail)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return
+        annotation, origin = args[0], typing.get_origin(args[0])
+    if origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices or not isinstance(value, str):
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    elif annotation is bool:
+        if not isinstance(value, bool):
+            raise _type_error(name, "a bool", value)
+    elif annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(name, "an int", value)
+    elif annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(name, "a float", value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be finite, got {value}")
+    elif annotation is str:
+        if not isinstance(value, str):
+            raise _type_error(name, "a str", value)
+
+
+def check_fields(cfg: Any) -> None:
+    """Type and finiteness of every field of a config dataclass (see `check_value`)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        check_value(f.name, getattr(cfg, f.name), hints[f.name])
+
+
+def require(ok: bool, message: str) -> None:
+    """ConfigError(message) unless `ok`. Write checks so that NaN fails them (`not (x > 0)`)."""
+    if not ok:
+        raise ConfigError(message)
+
+
+# ---- data ---------------------------------------------------------------------------
+
+
+def require_keys(data: Mapping[str, Any], keys: tuple[str, ...], who: str) -> None:
+    """ValueError naming the first key of `keys` missing from `data`."""
+    for key in keys:
+        if key not in data:
+            raise ValueError(f"{who}: data is missing key {key!r} (present: {sorted(data)})")
+
+
+def require_shape(tensor: Tensor, shape: tuple[int, ...], what: str, who: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{who}: {what} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def check_logprob_inputs(lp: Tensor, data: Mapping[str, Tensor], keys: tuple[str, ...], who: str) -> None:
+    """`[B, S-1]` log-probs, `[B, S]` token mask and `keys`, `[B]` sample mask."""
+    require_keys(data, ("token_mask", "sample_mask") + keys, who)
+    rows, width = data["token_mask"].shape
+    require_shape(lp, (rows, width - 1), "next_token_logprobs ([B, S-1])", who)
+    require_shape(data["sample_mask"], (rows,), "data['sample_mask'] ([B])", who)
+    for key in keys:
+        require_shape(data[key], (rows, width), f"data[{key!r}] ([B, S])", who)
+
+
+def float_masks(data: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`token_mask[:, 1:]` and `sample_mask`, as `dtype`."""
+    return data["token_mask"][:, 1:].to(dtype), data["sample_mask"].to(dtype)
+
+
+# ---- numerics -----------------------------------------------------------------------
+
+
+def masked_mean(
+    values: Tensor,
+    mask: Tensor,
+    dim: int | None = None,
+    global_normalization_factor: Tensor | float | None = None,
+) -> Tensor:
+    """`sum(values * mask, dim) / (N + 1e-8)`, `N = sum(mask, dim)` or the global factor.
+
+    An all-zero mask gives exactly 0 (never NaN). With a global factor the result is a
+    fragment of the global mean: fragments from micro-batches sum to it.
+    """
+    masked = values * mask
+    num = masked.sum() if dim is None else masked.sum(dim)
+    if global_normalization_factor is None:
+        den = mask.sum() if dim is None else mask.sum(dim)
+    else:
+        den = global_normalization_factor
+    return num / (den + 1e-8)
+
+
+def calculate_kl(
+    logprobs: Tensor,
+    logprobs_reference: Tensor,
+    kl_type: str = "k3",
+    input_clamp_value: float | None = 20.0,
+    output_clamp_value: float | None = 10.0,
+    importance_sampling_weights: Tensor | None = None,
+) -> Tensor:
+    """Per-element KL estimator (ref §3.1); `logr = logprobs_reference - logprobs`."""
+    logr = logprobs_reference - logprobs
+    if input_clamp_value is not None:
+        clamped = logr.clamp(-input_clamp_value, input_clamp_value)
+        if importance_sampling_weights is not None:
+            importance_sampling_weights = torch.where(
+                logr != clamped,
+                importance_sampling_weights.detach(),
+                importance_sampling_weights,
+            )
+        logr = clamped
+    if kl_type == "k1":
+        kl = -logr
+    elif kl_type == "k2":
+        kl = logr.square() / 2
+    elif kl_type == "k3":
+        kl = torch.exp(logr) - 1 - logr
+    else:
+        raise ValueError(f"kl_type must be one of 'k1', 'k2', 'k3', got {kl_type!r}")
+    if importance_sampling_weights is not None:
+        kl = importance_sampling_weights * kl
+    if output_clamp_value is not None:
+        kl = kl.clamp(-output_clamp_value, output_clamp_value)
+    return kl
+
+
+def masked_min(values: Tensor, mask: Tensor) -> Tensor:
+    """Min over `mask > 0`; `+inf` (the skipped sentinel) when the mask is empty."""
+    return torch.where(mask > 0, values, float("inf")).amin() if values.numel() else values.new_tensor(float("inf"))
+
+
+def masked_max(values: Tensor, mask: Tensor) -> Tensor:
+    """Max over `mask > 0`; `-inf` (the skipped sentinel) when the mask is empty."""
+    return torch.where(mask > 0, values, float("-inf")).amax() if values.numel() else values.new_tensor(float("-inf"))
+
+
+def nan_to_zero(x: Tensor) -> Tensor:
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def normalizations(**by_normalizer: tuple[str, ...]) -> dict[str, MetricNormalizer]:
+    """`{key: MetricNormalizer[NAME]}` from `NAME=(keys...)` groups."""
+    return {key: MetricNormalizer[name] for name, keys in by_normalizer.items() for key in keys}

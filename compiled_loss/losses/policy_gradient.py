@@ -1,0 +1,400 @@
+"""Clipped policy gradient: PPO / GRPO / DAPO / REINFORCE / GSPO / CISPO / TIS / VAPO and
+the in-loss sequence filter (ref §4.1), one named step per part of the objective."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.losses.common import (
+    as_config,
+    calculate_kl,
+    check_fields,
+    check_logprob_inputs,
+    check_value,
+    float_masks,
+    masked_max,
+    masked_mean,
+    masked_min,
+    nan_to_zero,
+    normalizations,
+    require,
+)
+
+Tensor = torch.Tensor
+
+KL_PENALTY_KEY = "kl_penalty"
+APPROX_ENTROPY_KEY = "approx_entropy"
+
+TISType = Literal["tis", "icepop", "seq-mask-tis"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClippedPGLossConfig:
+    """Configuration of `ClippedPGLossFn` (ref §4.1.1; defaults are the reference's)."""
+
+    disable_ppo_ratio: bool = False
+    """REINFORCE / RLOO: the "ratio" is the log-prob itself (no clipping)."""
+    token_level_loss: bool = True
+    """True: token mean over the global batch (G_t); False: mean of per-sequence means (G_s)."""
+    sequence_level_importance_ratios: bool = False
+    """GSPO: one ratio per sequence, the geometric mean of its token ratios."""
+    ratio_clip_min: float = 0.2
+    """ε_low: the ratio is clipped below at 1 - ε_low."""
+    ratio_clip_max: float = 0.2
+    """ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher)."""
+    ratio_clip_c: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative advantages; None disables."""
+    reference_policy_kl_penalty: float = 0.01
+    """β of the reference-policy KL term; finite and >= 0."""
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator of the reference term (ref §3.1)."""
+    kl_input_clamp_value: float | None = 20.0
+    """Clamp of the log-ratio before the KL estimator (> 0); None disables."""
+    kl_output_clamp_value: float | None = 10.0
+    """Clamp of the per-token KL (> 0); None disables."""
+    use_kl_in_reward: bool = False
+    """The KL is folded into the reward by the trainer: the loss-side β is 0."""
+    use_importance_sampling_correction: bool = False
+    """Multiply the actor loss by π_prev / π_gen (off-policy generation correction)."""
+    truncated_importance_sampling_type: TISType | None = None
+    """'tis' clamps, 'icepop' zeroes out-of-range token weights, 'seq-mask-tis' drops sequences."""
+    truncated_importance_sampling_ratio: float | None = None
+    """Upper bound of the importance weights (> 0); a value without a type means 'tis'."""
+    truncated_importance_sampling_ratio_min: float | None = None
+    """Lower bound (tis: default 0; required by icepop and seq-mask-tis)."""
+    use_on_policy_kl_approximation: bool = False
+    """Weight the reference KL by π / π_gen instead of 1."""
+    force_on_policy_ratio: bool = False
+    """Ratio ≡ 1 with the policy gradient; prev_logprobs are not read."""
+    use_cispo: bool = False
+    """CISPO: clipped, detached ratio times the log-prob."""
+    positive_example_nll_weight: float = 0.0
+    """VAPO μ: weight of the NLL on positive-reward responses (local denominator)."""
+    seq_logprob_error_in_loss: bool = False
+    """Drop sequences whose mean exp|lp - lp_gen| exceeds seq_logprob_error_threshold."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        beta = self.reference_policy_kl_penalty
+        require(beta >= 0, f"reference_policy_kl_penalty must be finite and >= 0, got {beta}")
+        c = self.ratio_clip_c
+        require(c is None or c > 1, f"ratio_clip_c must be > 1 for dual clipping, got {c}")
+        for name in ("kl_input_clamp_value", "kl_output_clamp_value", "truncated_importance_sampling_ratio"):
+            value = getattr(self, name)
+            require(value is None or value > 0, f"{name} must be > 0 (or None), got {value}")
+
+    def validate(self, seq_logprob_error_threshold: float | None = None) -> None:
+        """Cross-field checks (ref §4.1.2, §4.1.8), run by `ClippedPGLossFn`'s constructor."""
+        if self.sequence_level_importance_ratios:
+            require(
+                not self.token_level_loss,
+                "sequence_level_importance_ratios=True requires token_level_loss=False "
+                "(GSPO is a sequence-level loss)",
+            )
+        if self.use_cispo:
+            for field, bad in (
+                ("disable_ppo_ratio", self.disable_ppo_ratio),
+                ("force_on_policy_ratio", self.force_on_policy_ratio),
+                ("sequence_level_importance_ratios", self.sequence_level_importance_ratios),
+                ("ratio_clip_c", self.ratio_clip_c is not None),
+                ("token_level_loss=False", not self.token_level_loss),
+            ):
+                require(not bad, f"use_cispo=True is incompatible with {field}")
+        tis_type = self.truncated_importance_sampling_type
+        hi, lo = self.truncated_importance_sampling_ratio, self.truncated_importance_sampling_ratio_min
+        if tis_type is not None:
+            require(
+                self.use_importance_sampling_correction,
+                "truncated_importance_sampling_type requires use_importance_sampling_correction=True",
+            )
+            require(hi is not None, f"truncated_importance_sampling_ratio must be > 0, got {hi}")
+            if tis_type in ("icepop", "seq-mask-tis"):
+                require(
+                    lo is not None,
+                    f"truncated_importance_sampling_type={tis_type!r} requires "
+                    "truncated_importance_sampling_ratio_min",
+                )
+            if tis_type == "seq-mask-tis":
+                require(
+                    not self.sequence_level_importance_ratios,
+                    "truncated_importance_sampling_type='seq-mask-tis' is incompatible with "
+                    "sequence_level_importance_ratios=True",
+                )
+        if hi is not None and lo is not None:
+            require(
+                lo <= hi,
+                "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio",
+            )
+        if self.seq_logprob_error_in_loss:
+            require(
+                seq_logprob_error_threshold is not None,
+                "seq_logprob_error_in_loss requires seq_logprob_error_threshold",
+            )
+            check_value("seq_logprob_error_threshold", seq_logprob_error_threshold, float)
+            require(
+                self.force_on_policy_ratio and self.token_level_loss,
+                "seq_logprob_error_in_loss requires force_on_policy_ratio=True and token_level_loss=True",
+            )
+            require(
+                self.positive_example_nll_weight == 0,
+                "seq_logprob_error_in_loss does not support NLL (positive_example_nll_weight must be 0)",
+            )
+
+
+class _Tokens(NamedTuple):
+    """The per-token `[B, S-1]` inputs, aligned (ref §4.1.4)."""
+
+    lp: Tensor  # current log-probs (grad-carrying)
+    lp_u: Tensor  # unfiltered current log-probs (reference KL under top-k/top-p)
+    lp_prev: Tensor
+    lp_gen: Tensor
+    lp_ref: Tensor | None
+    adv: Tensor
+    tm: Tensor  # token_mask[:, 1:]
+    sm: Tensor  # sample_mask [B]
+    mask: Tensor  # tm * sm[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedPGLossFn:
+    """Clipped policy-gradient loss (ref §4.1). `cfg`: `ClippedPGLossConfig` or mapping."""
+
+    cfg: ClippedPGLossConfig
+    use_fused_linear_logprobs: bool = False
+    opd_full: Any = None
+    _: dataclasses.KW_ONLY
+    seq_logprob_error_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        cfg = as_config(self.cfg, ClippedPGLossConfig, "ClippedPGLossFn")
+        object.__setattr__(self, "cfg", cfg)
+        cfg.validate(self.seq_logprob_error_threshold)
+        if self.opd_full is not None:
+            raise NotImplementedError(
+                "ClippedPGLossFn(opd_full=...): compiled_loss has no full-vocabulary on-policy "
+                "distillation branch; pass opd_full=None"
+            )
+
+    input_type = LossInputType.LOGPROB
+
+    @property
+    def loss_type(self) -> LossType:
+        return LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
+
+    @property
+    def reference_policy_kl_penalty(self) -> float:
+        """The loss-side β (0 when the KL is folded into the reward)."""
+        return 0.0 if self.cfg.use_kl_in_reward else self.cfg.reference_policy_kl_penalty
+
+    @property
+    def requires_survivor_normalization(self) -> bool:
+        return self.cfg.seq_logprob_error_in_loss
+
+    @property
+    def _tis_type(self) -> str | None:
+        cfg = self.cfg
+        if cfg.truncated_importance_sampling_ratio is None:
+            return None
+        return cfg.truncated_importance_sampling_type or "tis"
+
+    @property
+    def metric_normalizations(self) -> dict[str, MetricNormalizer]:
+        """ref §4.1.3."""
+        grad = "TOKENS" if self.cfg.token_level_loss else "SEQUENCES"
+        out = normalizations(
+            TOKENS=("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
+                    "policy_kl_error", "js_divergence_error", APPROX_ENTROPY_KEY),
+            NONE=("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max",
+                  "probs_ratio_clamped_min", "probs_ratio_clamped_max"),
+        )
+        out.update(normalizations(**{grad: ("loss", KL_PENALTY_KEY)}))
+        seq_is = self.cfg.sequence_level_importance_ratios
+        out["sampling_importance_ratio"] = MetricNormalizer.SEQUENCES if seq_is else MetricNormalizer.TOKENS
+        if self._tis_type is not None:
+            seq_tis = self._tis_type == "seq-mask-tis"
+            out["is_oob_ratio"] = MetricNormalizer.SEQUENCES if seq_tis else MetricNormalizer.TOKENS
+        if self.cfg.seq_logprob_error_in_loss:
+            out.update(normalizations(NONE=("seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs",
+                                            "num_masked_seqs_by_logprob_error")))
+        return out
+
+    def __call__(
+        self,
+        next_token_logprobs: Tensor,
+        data: Mapping[str, Tensor],
+        global_valid_seqs: Tensor | None,
+        global_valid_toks: Tensor | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg, beta = self.cfg, self.reference_policy_kl_penalty
+        g_toks, g_seqs = global_valid_toks, global_valid_seqs
+        x, extra = self._tokens(next_token_logprobs, data)
+        diagnostics = self._diagnostics(x, g_toks)
+        kl = self._reference_kl(x, g_toks, g_seqs)
+        ratio, ratio_c = self._ratios(x)
+        is_w, tis_metrics = self._importance_weights(x, g_toks, g_seqs)
+        weights = is_w if cfg.use_importance_sampling_correction else torch.ones_like(x.lp_prev)
+        actor_loss = self._reduce(weights * self._clipped_objective(x, ratio, ratio_c), x, g_toks, g_seqs)
+        nll = self._positive_nll(x, data)
+        loss = actor_loss + kl + cfg.positive_example_nll_weight * nll
+        r, rc = ratio.detach(), ratio_c.detach()
+        if cfg.sequence_level_importance_ratios:  # post-truncation weights, squeezed (ref §13.3)
+            sampling_ratio = masked_mean(is_w.squeeze(-1), x.sm, global_normalization_factor=g_seqs)
+        else:
+            sampling_ratio = masked_mean(is_w, x.mask, global_normalization_factor=g_toks)
+        d_lp, d_gen = x.lp.detach(), x.lp_gen.detach()
+        metrics = {
+            "loss": loss.detach(),
+            "probs_ratio": masked_mean(r, x.mask, global_normalization_factor=g_toks),
+            "probs_ratio_clamped": masked_mean(rc, x.mask, global_normalization_factor=g_toks),
+            "probs_ratio_min": masked_min(r, x.mask),
+            "probs_ratio_max": masked_max(r, x.mask),
+            "probs_ratio_clamped_min": masked_min(rc, x.mask),
+            "probs_ratio_clamped_max": masked_max(rc, x.mask),
+            KL_PENALTY_KEY: kl.detach() / beta if beta != 0 else x.lp.new_zeros(()),
+            **diagnostics,
+            "sampling_importance_ratio": sampling_ratio.detach(),
+            "num_valid_samples": x.sm.sum(),
+            APPROX_ENTROPY_KEY: -masked_mean(
+                torch.exp(d_lp - d_gen) * d_lp, x.mask, global_normalization_factor=g_toks
+            ),
+            "positive_nll_loss": nll.detach(),
+        }
+        metrics.update({k: v.detach() for k, v in {**tis_metrics, **extra}.items()})
+        return loss, metrics
+
+    # ---- the steps, in the reference's order -------------------------------------------
+
+    def _tokens(self, lp: Tensor, data: Mapping[str, Tensor]) -> tuple[_Tokens, dict[str, Tensor]]:
+        """Check and align the inputs; apply the in-loss sequence filter (ref §4.1.8)."""
+        cfg, beta = self.cfg, self.reference_policy_kl_penalty
+        keys = ("advantages", "generation_logprobs")
+        keys += () if cfg.force_on_policy_ratio else ("prev_logprobs",)
+        keys += ("reference_policy_logprobs",) if beta != 0 else ()
+        check_logprob_inputs(lp, data, keys, "ClippedPGLossFn")
+        tm, sm = float_masks(data, lp.dtype)
+        lp_gen = data["generation_logprobs"][:, 1:]
+        lp_ref = data["reference_policy_logprobs"][:, 1:] if beta != 0 else None
+        lp_u = data.get("curr_logprobs_unfiltered", lp)
+        extra: dict[str, Tensor] = {}
+        if cfg.seq_logprob_error_in_loss:
+            mask0 = tm * sm[:, None]
+            err_tok = torch.exp((lp.detach() - lp_gen).abs())
+            err = torch.where(mask0 > 0, err_tok, 0.0).sum(-1) / (mask0.sum(-1) + 1e-8)
+            keep = (err <= self.seq_logprob_error_threshold).to(sm.dtype)
+            new_sm = sm * keep
+            survivors = tm * new_sm[:, None] > 0
+            lp, lp_u, lp_gen = (torch.where(survivors, t, 0.0) for t in (lp, lp_u, lp_gen))
+            lp_ref = None if lp_ref is None else torch.where(survivors, lp_ref, 0.0)
+            extra = {
+                "num_masked_seqs_by_logprob_error": (sm * (1 - keep)).sum(),
+                "seq_logprob_error_valid_tokens": (tm * new_sm[:, None]).sum(),
+                "seq_logprob_error_valid_seqs": new_sm.sum(),
+            }
+            sm = new_sm
+        lp_prev = lp.detach() if cfg.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
+        adv = data["advantages"][:, 1:]
+        return _Tokens(lp, lp_u, lp_prev, lp_gen, lp_ref, adv, tm, sm, tm * sm[:, None]), extra
+
+    def _diagnostics(self, x: _Tokens, g_toks: Tensor | None) -> dict[str, Tensor]:
+        """Generation-vs-previous-policy mismatch metrics (ref §4.1.5 step 1), no gradient."""
+        kl_type = self.cfg.reference_policy_kl_type
+        prev, gen = x.lp_prev.detach(), x.lp_gen.detach()
+        log_m = torch.logaddexp(prev, gen) - math.log(2.0)
+        a, b = prev - log_m, gen - log_m
+        js = 0.5 * (torch.exp(a) - a - 1) + 0.5 * (torch.exp(b) - b - 1)
+        per_token = {
+            "token_mult_prob_error": torch.exp((gen - prev).abs() * x.mask),
+            "gen_kl_error": calculate_kl(gen, prev, kl_type, None, None),
+            "policy_kl_error": calculate_kl(prev, gen, kl_type, None, None),
+            "js_divergence_error": js,
+        }
+        return {k: masked_mean(v, x.mask, global_normalization_factor=g_toks) for k, v in per_token.items()}
+
+    def _reference_kl(self, x: _Tokens, g_toks: Tensor | None, g_seqs: Tensor | None) -> Tensor:
+        """β · KL(π ‖ π_ref) with the score-function weights (ref §4.1.5 step 2, §13.5)."""
+        cfg, beta = self.cfg, self.reference_policy_kl_penalty
+        if beta == 0:
+            return x.lp.new_zeros(())
+        if cfg.use_on_policy_kl_approximation:
+            w_kl = torch.exp(x.lp_u - x.lp_gen)
+        else:
+            w_kl = torch.exp(x.lp_u - x.lp_u.detach())
+        kl_tok = beta * calculate_kl(
+            x.lp_u, x.lp_ref, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value,
+            cfg.kl_output_clamp_value, nan_to_zero(w_kl),
+        )
+        return self._reduce(kl_tok, x, g_toks, g_seqs)
+
+    def _ratios(self, x: _Tokens) -> tuple[Tensor, Tensor]:
+        """Probability ratio and its clipped version (ref §4.1.5 step 3)."""
+        cfg = self.cfg
+        if cfg.force_on_policy_ratio:
+            ratio = torch.exp(x.lp - x.lp.detach())
+            return ratio, ratio
+        if cfg.disable_ppo_ratio:  # REINFORCE: the "ratio" is the log-prob itself
+            return x.lp, x.lp
+        log_ratio = x.lp - x.lp_prev
+        if cfg.sequence_level_importance_ratios:  # GSPO: geometric mean over `tm` (not `mask`)
+            ratio = torch.exp(masked_mean(log_ratio, x.tm, dim=-1))[:, None].expand_as(x.lp)
+        else:
+            ratio = torch.exp(log_ratio)
+        return ratio, ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+
+    def _clipped_objective(self, x: _Tokens, ratio: Tensor, ratio_c: Tensor) -> Tensor:
+        """Per-token clipped surrogate, CISPO or PPO, with the dual clip (steps 4)."""
+        cfg, adv = self.cfg, x.adv
+        if cfg.use_cispo:
+            clip_loss = -adv * ratio_c.detach() * x.lp
+        else:
+            clip_loss = torch.maximum(-adv * ratio, -adv * ratio_c)
+        if cfg.ratio_clip_c is not None:
+            clip_loss = torch.where(adv < 0, torch.minimum(clip_loss, -adv * cfg.ratio_clip_c), clip_loss)
+        return clip_loss
+
+    def _importance_weights(
+        self, x: _Tokens, g_toks: Tensor | None, g_seqs: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """π_prev / π_gen weights with their truncation (ref §4.1.5 step 5): `[B, S-1]`, or
+        `[B, 1]` under GSPO; plus `is_oob_ratio` when truncated."""
+        cfg, tis_type = self.cfg, self._tis_type
+        if cfg.sequence_level_importance_ratios:
+            is_w = nan_to_zero(torch.exp(((x.lp_prev - x.lp_gen) * x.mask).sum(-1, keepdim=True))).detach()
+        else:
+            is_w = nan_to_zero(torch.exp(x.lp_prev - x.lp_gen))
+        if tis_type is None:
+            return is_w, {}
+        hi, lo = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
+        dtype = x.lp.dtype
+        if tis_type == "tis":
+            lo = 0.0 if lo is None else lo
+            oob = masked_mean(((is_w > hi) | (is_w < lo)).to(dtype), x.mask, global_normalization_factor=g_toks)
+            return is_w.clamp(lo, hi), {"is_oob_ratio": oob}
+        if tis_type == "icepop":
+            keep = (is_w >= lo) & (is_w <= hi)
+            oob = masked_mean((~keep).to(dtype), x.mask, global_normalization_factor=g_toks)
+            return torch.where(keep, is_w, 0.0), {"is_oob_ratio": oob}
+        # seq-mask-tis: drop whole sequences; kept ones keep their untruncated token weights
+        seq_ratio = torch.exp(masked_mean(nan_to_zero(x.lp_prev - x.lp_gen), x.tm, dim=-1)).detach()
+        keep_s = ((seq_ratio >= lo) & (seq_ratio <= hi)).to(dtype)
+        oob = masked_mean(1 - keep_s, x.sm, global_normalization_factor=g_seqs)
+        return is_w * keep_s[:, None], {"is_oob_ratio": oob}
+
+    def _positive_nll(self, x: _Tokens, data: Mapping[str, Tensor]) -> Tensor:
+        """VAPO: NLL over positive-reward responses, LOCAL denominator (ref §13.6); exactly
+        0 when the micro-batch holds no positive-reward token (as the reference skips it)."""
+        if not (self.cfg.positive_example_nll_weight > 0 and "rewards" in data):
+            return x.lp.new_zeros(())
+        correct = x.mask * (data["rewards"] > 0).to(x.lp.dtype)[:, None]
+        return masked_mean(torch.where(correct > 0, -x.lp, 0.0), correct)
+
+    def _reduce(self, per_token: Tensor, x: _Tokens, g_toks: Tensor | None, g_seqs: Tensor | None) -> Tensor:
+        """Token mean (G_t) or sequence mean of per-sequence token means (G_s), ref §13.16."""
+        if self.cfg.token_level_loss:
+            return masked_mean(per_token, x.mask, global_normalization_factor=g_toks)
+        return masked_mean(masked_mean(per_token, x.tm, dim=-1), x.sm, global_normalization_factor=g_seqs)

@@ -1,0 +1,100 @@
+"""PPO critic: clipped / plain MSE value loss (ref §4.7)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.losses.common import (
+    as_config,
+    check_fields,
+    masked_max,
+    masked_mean,
+    masked_min,
+    normalizations,
+    require,
+    require_keys,
+    require_shape,
+)
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MseValueLossConfig:
+    """Configuration of `MseValueLossFn` (ref §4.7; defaults are the reference's)."""
+
+    scale: float = 1.0
+    """Multiplies the loss (0.5 · scale · mean squared error); finite."""
+    cliprange: float | None = None
+    """Clip the new values to old ± cliprange (PPO value clipping); None or 0 disables."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        c = self.cliprange
+        require(c is None or c >= 0, f"cliprange must be >= 0 (or None), got {c}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MseValueLossFn:
+    """Clipped / plain MSE value loss over per-position values (ref §4.7)."""
+
+    cfg: MseValueLossConfig = MseValueLossConfig()
+
+    loss_type = LossType.TOKEN_LEVEL
+    input_type = LossInputType.LOGIT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cfg", as_config(self.cfg, MseValueLossConfig, "MseValueLossFn"))
+
+    @property
+    def metric_normalizations(self) -> dict[str, MetricNormalizer]:
+        return normalizations(
+            TOKENS=("loss", "returns_mean", "values_mean", "returns_sq_mean", "residual_sq_mean", "vf_clipfrac"),
+            NONE=("values_min", "values_max", "num_valid_samples"),
+        )
+
+    def __call__(
+        self,
+        logits: Tensor,
+        data: Mapping[str, Tensor],
+        global_valid_seqs: Tensor | None,
+        global_valid_toks: Tensor | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        who = "MseValueLossFn"
+        cfg = self.cfg
+        clipped = cfg.cliprange is not None and cfg.cliprange > 0
+        require_keys(data, ("token_mask", "sample_mask", "returns") + (("values",) if clipped else ()), who)
+        values = logits.squeeze(-1) if logits.shape[-1] == 1 else logits
+        tm = data["token_mask"]
+        require_shape(values, tuple(tm.shape), "values (logits squeezed, [B, S])", who)
+        values = values.float()
+        returns = data["returns"].to(values.dtype)
+        mask = tm.to(values.dtype) * data["sample_mask"].to(values.dtype)[:, None]
+        g = global_valid_toks
+        unclipped = (values - returns).square()
+        if clipped:
+            old = data["values"].to(values.dtype)
+            v_clipped = torch.minimum(torch.maximum(values, old - cfg.cliprange), old + cfg.cliprange)
+            clipped_sq = (v_clipped - returns).square()
+            per_token = torch.maximum(unclipped, clipped_sq)
+            clipfrac = masked_mean((clipped_sq > unclipped).to(values.dtype), mask, global_normalization_factor=g)
+        else:
+            per_token = unclipped
+            clipfrac = values.new_zeros(())
+        loss = 0.5 * cfg.scale * masked_mean(per_token, mask, global_normalization_factor=g)
+        v = values.detach()
+        return loss, {
+            "loss": loss.detach(),
+            "returns_mean": masked_mean(returns, mask, global_normalization_factor=g),
+            "values_mean": masked_mean(v, mask, global_normalization_factor=g),
+            "returns_sq_mean": masked_mean(returns.square(), mask, global_normalization_factor=g),
+            "residual_sq_mean": masked_mean((returns - v).square(), mask, global_normalization_factor=g),
+            "values_min": masked_min(v, mask),
+            "values_max": masked_max(v, mask),
+            "vf_clipfrac": clipfrac.detach(),
+            "num_valid_samples": data["sample_mask"].to(values.dtype).sum(),
+        }

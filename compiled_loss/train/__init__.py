@@ -1,0 +1,14 @@
+"""The train room: the compiled training step users import, `compile_loss`, and the
+compile recorder the step and the audit report with.
+
+- `step`: `build_train_step`, `TrainStep`, `StepResult`;
+- `compile`: `compile_loss`;
+- `recorder`: `CompileRecorder` (graphs, graph breaks, in-graph host syncs, recompiles,
+  frames that fell back to eager).
+"""
+
+from compiled_loss.train.compile import compile_loss
+from compiled_loss.train.recorder import CompileRecorder, CompileReport
+from compiled_loss.train.step import StepResult, TrainStep, build_train_step
+
+__all__ = ["CompileRecorder", "CompileReport", "StepResult", "TrainStep", "build_train_step", "compile_loss"]

@@ -1,0 +1,83 @@
+"""The draft→target vocabulary map of a drafter (`d2t`, ref §6.2).
+
+Draft index `i` stands for target token `i + d2t[i]`. A `DraftVocab` is that map checked
+once on the host (one device sync when it is built); mapping teacher logits through it
+needs no sync, so compiled callers and per-micro-batch callers build it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from compiled_loss.parallel import require_single_process
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftVocab:
+    """A validated `d2t`: `target_ids[i] = i + d2t[i]` (long, on d2t's device), and the
+    smallest / largest target id as Python ints."""
+
+    d2t: Tensor
+    target_ids: Tensor
+    min_target: int
+    max_target: int
+
+    @staticmethod
+    def build(d2t: Tensor) -> DraftVocab:
+        """Check `d2t` (1-D, integer, non-empty) and read its target range (host side)."""
+        if not isinstance(d2t, Tensor) or d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+            raise ValueError(
+                f"d2t must be a 1-D integer tensor, got "
+                f"{f'{d2t.dtype} {tuple(d2t.shape)}' if isinstance(d2t, Tensor) else type(d2t).__name__}"
+            )
+        if d2t.numel() == 0:
+            raise ValueError("d2t must map at least one draft index, got an empty tensor")
+        target = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
+        lo, hi = torch.stack([target.min(), target.max()]).tolist()  # host
+        return DraftVocab(d2t, target, lo, hi)
+
+    @property
+    def size(self) -> int:
+        """Draft vocabulary size."""
+        return self.target_ids.shape[0]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError unless every target id lies in `[0, vocab_size)` (host ints, no sync
+        unless it fails)."""
+        if self.min_target >= 0 and self.max_target < vocab_size:
+            return
+        target = self.target_ids.tolist()  # host: only on the error path
+        bad = [i for i, t in enumerate(target) if not 0 <= t < vocab_size]
+        raise ValueError(
+            f"d2t maps draft index {bad[0]} to target id {target[bad[0]]} outside the target "
+            f"vocabulary [0, {vocab_size}) ({len(bad)} such entries)"
+        )
+
+
+def map_teacher_logits_to_draft_vocab(
+    teacher_logits: Tensor,
+    d2t: Tensor | DraftVocab | None,
+    vocab_parallel_rank: int | None = None,
+    vocab_parallel_group: Any = None,
+) -> Tensor:
+    """Restrict full-vocab teacher logits `[..., V]` to the draft vocabulary via `d2t`
+    (draft index `i` → target id `i + d2t[i]`); no-op when `d2t` is None (ref §6.2).
+
+    Pass a `DraftVocab` (checked once) to map without a device sync. A raw `d2t` tensor is
+    checked on every eager call (one sync) and not at all under torch.compile.
+    """
+    if d2t is None:
+        return teacher_logits
+    require_single_process(vocab_parallel_group, "vocab_parallel_group")
+    if isinstance(d2t, Tensor) and torch.compiler.is_compiling():
+        target = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
+    else:
+        vocab = d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t)
+        vocab.check_vocab(teacher_logits.shape[-1])
+        target = vocab.target_ids
+    return teacher_logits.index_select(-1, target.to(teacher_logits.device))

@@ -1,0 +1,98 @@
+"""Generation-time sampling filters (ref §3.2–3.3): the parameters, the per-row keep
+threshold for top-k / top-p, and the masking of filtered log-probs.
+
+The threshold needs a sort of each row, which no fused kernel provides; it is an opaque
+custom op that works in row chunks in eager and compiled code alike, so its fp32 working
+set stays `chunk × V` (no full fp32 `[T, V]` copy of the logits, sorted or not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from compiled_loss.vocab.reduce import check_chunk_size, row_chunks
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSamplingParams:
+    """Sampling filter used at generation time (ref §3.3)."""
+
+    top_k: int | None = None
+    """Keep the `top_k` largest logits of each row; None or <= 0 disables (vLLM's -1)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1.0 disables."""
+    temperature: float = 1.0
+    """Logits are divided by it before the loss (by the caller, as in NeMo-RL); > 0."""
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ValueError(f"top_k must be None or an int, got {self.top_k!r}")
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
+
+
+def need_top_k_or_top_p_filtering(sampling_params: TrainingSamplingParams | None) -> bool:
+    if sampling_params is None:
+        return False
+    top_k, top_p = sampling_params.top_k, sampling_params.top_p
+    return (top_k is not None and top_k > 0) or (top_p is not None and top_p != 1.0)
+
+
+def mask_out_neg_inf_logprobs(logprobs: Tensor, mask: Tensor, name: str = "logprobs") -> Tensor:
+    """Zero `±inf` log-probs (filtered tokens) and everything outside `mask` (ref §3.2).
+
+    The reference also prints how many infinities fall inside the mask; that count needs a
+    host sync, so it is not printed here.
+    """
+    return torch.where((mask > 0) & ~torch.isinf(logprobs), logprobs, 0.0)
+
+
+@torch.library.custom_op("compiled_loss::sampling_threshold", mutates_args=())
+def _sampling_threshold(logits: Tensor, top_k: int, top_p: float, chunk_size: int) -> Tensor:
+    n, vocab = logits.shape
+    use_k = 0 < top_k < vocab
+    out = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
+    for s, e in row_chunks(n, vocab, chunk_size or None):
+        x = logits[s:e].float()
+        if top_p == 1.0:
+            if use_k:
+                out[s:e] = torch.topk(x, top_k, -1).values[:, -1]
+            continue
+        srt = torch.sort(x, -1).values
+        if use_k:
+            srt = torch.where(srt >= srt[:, vocab - top_k : vocab - top_k + 1], srt, float("-inf"))
+        keep = torch.cumsum(torch.softmax(srt, -1), -1) > 1 - top_p
+        keep[:, -1] = True
+        first_kept = (~keep).sum(-1, keepdim=True)
+        out[s:e] = srt.gather(-1, first_kept).squeeze(-1)
+    return out
+
+
+@_sampling_threshold.register_fake
+def _(logits: Tensor, top_k: int, top_p: float, chunk_size: int) -> Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+def sampling_threshold(
+    logits: Tensor, top_k: int | None, top_p: float | None, chunk_size: int | None = None
+) -> Tensor:
+    """Per-row keep threshold for top-k / top-p filtering (ref §3.3), fp32 `[N]`, no gradient.
+
+    A token is kept iff its logit is `>= threshold`. top-k keeps values >= the k-th
+    largest (ties kept, as the reference does); top-p sorts ascending, applies the top-k
+    mask, keeps the suffix whose cumulative probability exceeds `1 - top_p` and always
+    the largest value. The kept set is expressed as a value threshold, so ties at the
+    nucleus boundary are all kept. Rows are processed `chunk_size` at a time (default:
+    ~4 MiB of fp32 per chunk), compiled or not.
+    """
+    check_chunk_size(chunk_size)
+    k = top_k if top_k is not None and top_k > 0 else 0
+    p = 1.0 if top_p is None else float(top_p)
+    return _sampling_threshold(logits.detach(), k, p, chunk_size or 0)

@@ -1,0 +1,49 @@
+"""The audit tool finds what fullgraph=True and Dynamo's counters hide, and gates on it."""
+
+from __future__ import annotations
+
+import json
+
+from compiled_loss.audit.cli import main
+
+
+def run(tmp_path, *argv):
+    code = main([*argv, "--out", str(tmp_path)])
+    return code, json.loads((tmp_path / "audit.json").read_text())
+
+
+def test_planted_item_sync_fails(tmp_path):
+    code, rows = run(tmp_path, "--target", "audit_targets:with_item", "--inputs", "audit_targets:eight_floats",
+                     "backend=eager")
+    assert code == 1
+    assert rows[0]["graph_breaks"] == [] and rows[0]["syncs"]  # no break counted, yet a sync
+    assert any("host sync" in f for f in rows[0]["failures"])
+
+
+def test_planted_recompile_on_a_seen_bucket_fails(tmp_path):
+    code, rows = run(tmp_path, "--target", "audit_targets:per_value", "--inputs",
+                     "audit_targets:same_shape_new_ints", "backend=eager")
+    assert code == 1
+    assert rows[0]["buckets"] == 1 and rows[0]["compiles"] > 1
+    assert rows[0]["recompiles"] and "scale" in rows[0]["recompiles"][0]
+
+
+def test_planted_graph_break_is_reported_with_its_line(tmp_path):
+    code, rows = run(tmp_path, "--target", "audit_targets:with_item", "--inputs", "audit_targets:eight_floats",
+                     "backend=eager", "--no-fullgraph")
+    assert code == 1
+    assert any("audit_targets.py" in b and ".item()" in b for b in rows[0]["graph_breaks"])
+
+
+def test_clean_target_passes(tmp_path):
+    code, rows = run(tmp_path, "--target", "audit_targets:clean", "--inputs", "audit_targets:masked_samples",
+                     "backend=eager")
+    assert code == 0 and rows[0]["failures"] == [] and rows[0]["buckets"] == 2
+
+
+def test_project_matrix_passes(tmp_path):
+    code, rows = run(tmp_path, "loss=clipped_pg,distillation", "packing=per_sequence,fused", "dtype=bf16",
+                     "batches=6", "steps=2", "backend=eager")
+    assert code == 0
+    assert len(rows) == 8 and all(r["failures"] == [] and r["compiles"] >= 1 for r in rows)
+    assert "| configuration |" in (tmp_path / "audit.md").read_text()

@@ -1,0 +1,55 @@
+"""`tools/bench.py --quick` end to end: the CSV has one row per variant × direction, finite
+numbers, and the NeMo-RL-style loop (a) agrees with compiled_loss eager (b) and compiled (c).
+The tool is a benchmark, not a speed test: no timing is asserted."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+COLUMNS = [
+    "tokens", "vocab", "seqs", "dtype", "device", "variant", "direction", "repeat",
+    "median_ms", "min_ms", "compile_s", "peak_extra_mib", "peak_extra_rel", "logits_mib",
+    "loss", "ratio_to_a", "ratio_to_d", "status",
+]
+VARIANTS = ["a_loop", "b_eager", "c_compiled", "d_proxy", "lp_compiled"]
+
+
+def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "tools/bench.py", "--quick", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "targets:" in proc.stdout
+    with open(tmp_path / "bench.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        rows = list(reader)
+    assert [(r["variant"], r["direction"]) for r in rows] == [
+        (v, d) for v in VARIANTS for d in ("fwd", "fwd+bwd")
+    ]
+    for r in rows:
+        assert r["status"] == "ok"
+        assert (r["tokens"], r["vocab"], r["seqs"], r["dtype"], r["device"]) == ("512", "2048", "4", "bf16", "cpu")
+        for key in ("median_ms", "min_ms", "peak_extra_mib", "peak_extra_rel", "ratio_to_a", "ratio_to_d"):
+            assert math.isfinite(float(r[key])), (r["variant"], key, r[key])
+        assert float(r["median_ms"]) > 0
+        assert float(r["logits_mib"]) == 512 * 2048 * 2 / 2**20
+        if r["variant"] in ("c_compiled", "d_proxy", "lp_compiled"):
+            assert float(r["compile_s"]) > 0
+        else:
+            assert r["compile_s"] == ""
+    loss = {(r["variant"], r["direction"]): r["loss"] for r in rows}
+    for direction in ("fwd", "fwd+bwd"):
+        a, b, c = (float(loss[v, direction]) for v in ("a_loop", "b_eager", "c_compiled"))
+        assert math.isfinite(b) and b != 0
+        assert abs(a - b) <= 1e-4 * abs(b)
+        assert abs(c - b) <= 1e-4 * abs(b)
+    assert loss["d_proxy", "fwd"] == loss["lp_compiled", "fwd"] == ""
+    assert (tmp_path / "bench.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
