@@ -1,7 +1,9 @@
 """`compiled-loss-audit` (also `python tools/audit.py`): the graph-break / recompile gate.
 
-Sweeps a matrix of configurations — by default every loss × packing mode × draft runtime ×
-dtype — and for each drives (1) the compiled packing wrapper over `batches` micro-batches
+Sweeps configurations — by default a representative subset (every loss, packing mode,
+dtype and backend at least once, about two minutes on 2 CPU cores); `--full` or a
+`loss=` / `packing=` / `draft=` / `dtype=` choice sweeps the matrix of those — and for
+each drives (1) the compiled packing wrapper over `batches` micro-batches
 drawn from a realistic RL length distribution and (2) the compiled training step over
 `steps` steps. For each it reports graphs, graph breaks (reason, file:line), in-graph host
 syncs, frames that fell back to eager, compiles and recompiles (with the failed guard),
@@ -10,7 +12,8 @@ buckets hit, compile seconds and warm call time — as a terminal table, `audit.
 fallback, compiles more often than it hit distinct buckets, or recompiles on a bucket it
 had already compiled.
 
-    compiled-loss-audit                                   # the full default matrix
+    compiled-loss-audit                                   # the representative subset
+    compiled-loss-audit --full                            # every loss × packing × draft × dtype
     compiled-loss-audit loss=clipped_pg,dpo packing=fused dtype=bf16 batches=50
     compiled-loss-audit --target mypkg.losses:my_loss --inputs mypkg.losses:samples
 
@@ -43,6 +46,20 @@ LOSSES = ("clipped_pg", "gspo", "cispo", "reinforce", "nll", "dpo", "distillatio
 PACKINGS = ("none", "per_sequence", "fused")
 DRAFTS = ("none",)
 DTYPES = ("fp32", "bf16")
+
+# The default run, as (loss, packing, draft, dtype, backend): every loss, packing mode, dtype
+# and backend at least once.
+SUBSET = (
+    ("clipped_pg", "fused", "none", "bf16", "inductor"),
+    ("clipped_pg", "per_sequence", "none", "fp32", "aot_eager"),
+    ("gspo", "fused", "none", "fp32", "aot_eager"),
+    ("cispo", "none", "none", "bf16", "aot_eager"),
+    ("reinforce", "per_sequence", "none", "fp32", "aot_eager"),
+    ("nll", "fused", "none", "bf16", "aot_eager"),
+    ("dpo", "per_sequence", "none", "fp32", "aot_eager"),
+    ("distillation", "fused", "none", "fp32", "aot_eager"),
+    ("mse_value", "none", "none", "fp32", "aot_eager"),
+)
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Small model / data sizes: what is audited is tracing, not speed.
@@ -225,11 +242,23 @@ def _audit_step(cfg, name: str, seed: int) -> Drive:
     return result
 
 
-def audit_matrix(losses, packings, drafts, dtypes, backend: str, batches: int, steps: int) -> list[Drive]:
+def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[tuple[str, ...]], int, int]:
+    """The (loss, packing, draft, dtype, backend) rows to audit, and the default batches and
+    steps: the subset (50, 5), or — `--full` or any matrix choice — the matrix (200, 20)."""
+    dims = ("loss", "packing", "draft", "dtype")
+    backend = opts.get("backend", [None])[0]
+    if not full and not any(d in opts for d in dims):
+        return [row[:4] + (backend or row[4],) for row in SUBSET], 50, 5
+    choices = [opts.get(d, list(every)) for d, every in zip(dims, (LOSSES, PACKINGS, DRAFTS, DTYPES))]
+    return [row + (backend or "inductor",) for row in itertools.product(*choices)], 200, 20
+
+
+def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int) -> list[Drive]:
     drives = []
-    for loss, packing, draft, dtype in itertools.product(losses, packings, drafts, dtypes):
-        cfg = _config(loss, packing, draft, dtype, backend, steps)
+    for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
         label = f"{loss}/{packing}/{draft}/{dtype}"
+        print(f"[{i}/{len(rows)}] {label} ({backend})", flush=True)
+        cfg = _config(loss, packing, draft, dtype, backend, steps)
         samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
         found = [drive(f"{label} wrapper", _wrapper_call, samples, backend, dynamic=cfg.compile.dynamic,
                        after=lambda out: out[0].backward())]
@@ -335,21 +364,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="audit a callable instead: package.module:function")
     parser.add_argument("--inputs", help="with --target: package.module:factory returning (args, kwargs) samples")
     parser.add_argument("--no-fullgraph", action="store_true", help="with --target: allow graph breaks to be counted")
+    parser.add_argument("--full", action="store_true", help="every loss × packing × draft × dtype (default: a subset)")
     parser.add_argument("--out", default="audit_out", help="directory for audit.json and audit.md")
     args = parser.parse_args(argv)
     opts = _parse_overrides(args.overrides)
-    backend = opts.get("backend", ["inductor"])[0]
     print(HEADER, flush=True)
     if args.target:
         if not args.inputs:
             parser.error("--target needs --inputs")
+        backend = opts.get("backend", ["inductor"])[0]
         drives = [audit_target(args.target, args.inputs, backend, fullgraph=not args.no_fullgraph)]
         print(_line(drives[0]))
     else:
-        drives = audit_matrix(
-            opts.get("loss", LOSSES), opts.get("packing", PACKINGS), opts.get("draft", DRAFTS),
-            opts.get("dtype", DTYPES), backend, int(opts.get("batches", ["200"])[0]),
-            int(opts.get("steps", ["20"])[0]))
+        rows, batches, steps = configurations(opts, args.full)
+        drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps([d.row() for d in drives], indent=2) + "\n")

@@ -60,9 +60,12 @@ def _row_chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[i
 
 
 def _filtered(x: Tensor, threshold: Tensor | None) -> Tensor:
+    """Forward: entries below the row's threshold become `-inf`. Spelled with `<` while the
+    backward tests `>=`, so AOTAutograd cannot share one `[N, V]` mask between them and
+    save it for the backward: the backward recomputes it from the saved logits."""
     if threshold is None:
         return x
-    return torch.where(x >= threshold[:, None], x, float("-inf"))
+    return torch.where(x < threshold[:, None], float("-inf"), x)
 
 
 def _xlogp_safe(p: Tensor, x: Tensor) -> Tensor:
@@ -108,7 +111,10 @@ class _VocabReduce(torch.autograd.Function):
         # rows that no output gradient reaches get exactly 0, whatever their logits hold
         live = (g_lse != 0) | (g_picked != 0).any(-1) | (g_negent != 0) | (g_cross != 0)
         for s, e in _row_chunks(n, vocab, ctx.chunk_size):
-            x = _filtered(logits[s:e].float(), None if threshold is None else threshold[s:e])
+            x = logits[s:e].float()
+            kept = None if threshold is None else x >= threshold[s:e, None]
+            if kept is not None:
+                x = torch.where(kept, x, float("-inf"))
             p = torch.exp(x - lse[s:e, None])
             coef = g_lse[s:e, None]
             if ctx.entropy:
@@ -119,7 +125,7 @@ class _VocabReduce(torch.autograd.Function):
                 g = g + torch.exp(t - teacher_lse[s:e, None]) * g_cross[s:e, None]
             if k == 1:
                 g = g + (iota[None, :] == index[s:e]).to(g.dtype) * g_picked[s:e]
-            keep = live[s:e, None] if threshold is None else live[s:e, None] & (x > float("-inf"))
+            keep = live[s:e, None] if kept is None else live[s:e, None] & kept
             grad[s:e] = torch.where(keep, g, 0.0).to(grad.dtype)
             if k > 1:
                 picked_grad = torch.where(live[s:e, None], g_picked[s:e], 0.0)

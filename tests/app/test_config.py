@@ -155,3 +155,12 @@ def test_wheel_ships_the_yaml(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"compiled_loss/conf/config.yaml", "compiled_loss/conf/__init__.py",
             "compiled_loss/conf/loss/gspo.yaml", "compiled_loss/conf/packing/fused.yaml"} <= names
+
+
+def test_help_lists_the_real_options_of_each_group():
+    out = subprocess.run([sys.executable, "-m", "compiled_loss.run", "--help"], check=True, capture_output=True,
+                         text=True).stdout
+    groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "loss: cispo, clipped_pg, distillation, dpo, gspo, mse_value, nll, reinforce" in groups
+    assert "packing: fused, none, per_sequence" in groups
+    assert "schema" not in groups

@@ -47,3 +47,16 @@ def test_project_matrix_passes(tmp_path):
     assert code == 0
     assert len(rows) == 8 and all(r["failures"] == [] and r["compiles"] >= 1 for r in rows)
     assert "| configuration |" in (tmp_path / "audit.md").read_text()
+
+
+def test_default_run_is_the_representative_subset():
+    from compiled_loss.audit.cli import DTYPES, LOSSES, PACKINGS, configurations
+
+    rows, batches, steps = configurations({}, full=False)
+    assert (len(rows), batches, steps) == (9, 50, 5)
+    assert {r[0] for r in rows} == set(LOSSES) and {r[1] for r in rows} == set(PACKINGS)
+    assert {r[3] for r in rows} == set(DTYPES) and {r[4] for r in rows} == {"inductor", "aot_eager"}
+    full, batches, steps = configurations({}, full=True)
+    assert (len(full), batches, steps) == (len(LOSSES) * len(PACKINGS) * len(DTYPES), 200, 20)
+    chosen, _, _ = configurations({"loss": ["dpo"], "backend": ["eager"]}, full=False)
+    assert chosen == [("dpo", p, "none", d, "eager") for p in PACKINGS for d in DTYPES]

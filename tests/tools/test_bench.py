@@ -17,7 +17,7 @@ COLUMNS = [
     "median_ms", "min_ms", "compile_s", "peak_extra_mib", "peak_extra_rel", "logits_mib",
     "loss", "ratio_to_a", "ratio_to_d", "status",
 ]
-VARIANTS = ["a_loop", "b_eager", "c_compiled", "d_proxy", "lp_compiled"]
+VARIANTS = ["a_loop", "b_eager", "c_compiled", "d_proxy", "lp_compiled", "c_topp"]
 
 
 def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
             assert math.isfinite(float(r[key])), (r["variant"], key, r[key])
         assert float(r["median_ms"]) > 0
         assert float(r["logits_mib"]) == 512 * 2048 * 2 / 2**20
-        if r["variant"] in ("c_compiled", "d_proxy", "lp_compiled"):
+        if r["variant"] in ("c_compiled", "d_proxy", "lp_compiled", "c_topp"):
             assert float(r["compile_s"]) > 0
         else:
             assert r["compile_s"] == ""
@@ -52,4 +52,5 @@ def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
         assert abs(a - b) <= 1e-4 * abs(b)
         assert abs(c - b) <= 1e-4 * abs(b)
     assert loss["d_proxy", "fwd"] == loss["lp_compiled", "fwd"] == ""
+    assert math.isfinite(float(loss["c_topp", "fwd"])) and loss["c_topp", "fwd"] != loss["c_compiled", "fwd"]
     assert (tmp_path / "bench.png").exists() == (importlib.util.find_spec("matplotlib") is not None)

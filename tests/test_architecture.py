@@ -1,0 +1,64 @@
+"""The package's rooms by layer: each module imports only rooms of its own layer or below,
+and the library (everything below the Hydra application) imports without Hydra."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "compiled_loss"
+
+# Layers, lowest first. A module may import its own layer and the layers before it.
+LAYERS = [
+    {"interfaces", "metrics"},
+    {"parallel"},
+    {"vocab"},
+    {"packing"},
+    {"losses"},
+    {"inputs"},
+    {"draft"},
+    {"wrapper", "utils", "loss_functions", "loss_input"},  # the seed facades
+    {"config"},
+    {"train"},
+    {"demo"},
+    {"app", "run", "conf"},
+    {"audit"},
+]
+
+
+def _layer(room: str) -> int:
+    return next(i for i, rooms in enumerate(LAYERS) if room in rooms)
+
+
+def _imported_rooms(path: Path) -> set[str]:
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "compiled_loss"]
+        rooms |= {n.split(".")[1] for n in names if n.startswith("compiled_loss.")}
+    return rooms
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        room = rel.parts[0].removesuffix(".py")
+        if room == "__init__":
+            continue
+        for imported in _imported_rooms(path):
+            if _layer(imported) > _layer(room):
+                upward.append(f"{rel} imports compiled_loss.{imported}")
+    assert upward == []
+
+
+def test_library_imports_without_hydra():
+    code = (
+        "import sys; sys.modules['hydra'] = None; sys.modules['omegaconf'] = None\n"
+        "import compiled_loss.wrapper, compiled_loss.utils, compiled_loss.loss_functions, compiled_loss.loss_input\n"
+        "import compiled_loss.config, compiled_loss.train, compiled_loss.demo.loop\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
