@@ -205,7 +205,8 @@ def prepare_loss_input(
         return _draft_loss_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group), dict(data)
     if input_type in (LossInputType.OPD_FULL, LossInputType.DISTILLATION_CROSS_TOKENIZER):
         raise NotImplementedError(
-            f"prepare_loss_input: input type {input_type} is not implemented in compiled_loss yet"
+            f"prepare_loss_input: compiled_loss prepares no {input_type.name} inputs; supported input types: "
+            "LOGIT, LOGPROB, DISTILLATION, DRAFT"
         )
     raise ValueError(f"Unknown loss function input type: {input_type!r}")
 
