@@ -194,6 +194,8 @@ class RunConfig:
     """Seed of the model init and the data."""
     log_every: int = 1
     """Print a progress line every this many steps."""
+    validate_inputs: bool = True
+    """Check each batch on the host before the compiled step reads it (`validate_batch`)."""
 
     def __post_init__(self) -> None:
         _fields(self, "run")

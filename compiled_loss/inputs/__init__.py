@@ -3,7 +3,8 @@ consumes (ref §5), through the vocab room, plus the teacher side of on-policy d
 
 - `prepare`: `prepare_loss_input`, `prepare_packed_loss_input`,
   `get_next_token_logprobs_from_logits`, `get_distillation_topk_logprobs_from_logits`;
-- `teacher`: `reconstruct_opd_full_teacher_logits`, `project_hidden_states_per_teacher`.
+- `teacher`: `reconstruct_opd_full_teacher_logits`, `project_hidden_states_per_teacher`;
+- `validate`: `validate_batch`, the host-side check of a batch before compiled code.
 """
 
 from compiled_loss.inputs.prepare import (
@@ -13,6 +14,7 @@ from compiled_loss.inputs.prepare import (
     prepare_packed_loss_input,
 )
 from compiled_loss.inputs.teacher import project_hidden_states_per_teacher, reconstruct_opd_full_teacher_logits
+from compiled_loss.inputs.validate import validate_batch
 
 __all__ = [
     "get_distillation_topk_logprobs_from_logits",
@@ -21,4 +23,5 @@ __all__ = [
     "prepare_packed_loss_input",
     "project_hidden_states_per_teacher",
     "reconstruct_opd_full_teacher_logits",
+    "validate_batch",
 ]

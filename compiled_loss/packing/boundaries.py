@@ -15,9 +15,14 @@ Tensor = torch.Tensor
 
 CpuIntTuple = tuple[int, ...]
 
+# cu_seqlens are int32 in the attention kernels that read them (flash-attention, TE)
+MAX_PACKED_TOKENS = 2**31 - 1
+
 
 def to_cpu_int_tuple(values: Tensor | Sequence[int], name: str = "values") -> CpuIntTuple:
-    """A tensor (one device sync) or a sequence of ints as a tuple of Python ints."""
+    """A tensor (one device sync), an array or a sequence of ints as a tuple of Python ints."""
+    if hasattr(values, "__array__") and not isinstance(values, Tensor):  # numpy and friends
+        values = torch.as_tensor(values)
     if isinstance(values, Tensor):
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
             raise ValueError(
@@ -25,6 +30,8 @@ def to_cpu_int_tuple(values: Tensor | Sequence[int], name: str = "values") -> Cp
                 f"{tuple(values.shape)}"
             )
         return tuple(values.tolist())  # host
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a 1-D sequence of ints [0, ..., total], got {type(values).__name__}")
     out = []
     for v in values:
         if isinstance(v, bool) or not hasattr(v, "__index__"):
@@ -44,6 +51,9 @@ def _check_boundaries(cu: CpuIntTuple, name: str) -> None:
                 f"{name} must be non-decreasing, got {name}[{i}] = {cu[i]} > "
                 f"{name}[{i + 1}] = {cu[i + 1]}"
             )
+    if cu[-1] > MAX_PACKED_TOKENS:
+        raise ValueError(f"{name} totals {cu[-1]} packed tokens, more than the {MAX_PACKED_TOKENS} an int32 "
+                         "cu_seqlens can address")
 
 
 def check_cu_seqlens(

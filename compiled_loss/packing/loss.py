@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from compiled_loss.interfaces import LossInputType
 from compiled_loss.packing.boundaries import CpuIntTuple
 from compiled_loss.packing.layout import PackedLayout, row_width
 
@@ -76,6 +77,14 @@ def sequence_packing_loss(
     layout. Either way `loss_fn` runs once on data zero-padded to the bucket and zeroed
     past each sequence's length.
     """
+    if getattr(loss_fn, "input_type", None) == LossInputType.DISTILLATION and not (
+        "token_mask" in data and "sample_mask" in data
+    ):
+        raise ValueError(
+            f"{type(loss_fn).__name__} under packing needs data['token_mask'] and data['sample_mask']: without them "
+            "it takes a plain mean over every position of the micro-batch, which is not the per-sequence loop's "
+            "sum of per-sequence means"
+        )
     layout = layout.on(next_token_logits.device)
     packed = layout.slots(next_token_logits, "next_token_logits")
     data = layout.truncate(layout.pad_data(data))

@@ -71,8 +71,13 @@ def roll_within_segments(x: Tensor, is_last: Tensor, dim: int) -> Tensor:
 def roll_packed_seq_dim(tensor: Tensor, cu_seqlens_padded: Tensor | Sequence[int], seq_dim: int) -> Tensor:
     """Left-shift a packed tensor by one along `seq_dim` within each segment (ref §6.3):
     one global roll, then zero each segment's last physical slot."""
-    cu = torch.as_tensor(cu_seqlens_padded, device=tensor.device)
+    (cup, _) = check_cu_seqlens(cu_seqlens_padded, name="cu_seqlens_padded")
     length = tensor.shape[seq_dim]
+    if cup[-1] != length:
+        raise ValueError(
+            f"cu_seqlens_padded ends at {cup[-1]}, but the tensor has {length} packed slots along dim {seq_dim}"
+        )
+    cu = torch.tensor(cup, device=tensor.device)
     is_last = torch.zeros(length, dtype=torch.bool, device=tensor.device)
     is_last[torch.remainder(cu[1:].long() - 1, length)] = True
     return roll_within_segments(tensor, is_last, seq_dim)

@@ -1,6 +1,8 @@
 """The compiled training step: `build_train_step(cfg, model, optimizer)`.
 
-Per global batch (host side): compute the global normalisers `global_valid_seqs` /
+Per global batch (host side): check the batch (`validate_batch`, unless
+`run.validate_inputs=false`; token ids against `model.vocab_size`), compute the global
+normalisers `global_valid_seqs` /
 `global_valid_toks`, split the rows into `run.micro_batches` micro-batches (keeping DPO
 pairs together), and for each build the bucketed layout (`PackedLayout`, or bucketed
 padding for `packing=none`) on the host. Then, per micro-batch, ONE compiled function runs
@@ -25,8 +27,8 @@ from typing import Any
 
 import torch
 
-from compiled_loss.config import Config, PackingMode, build_loss, loss_family
-from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input
+from compiled_loss.config import Config, PackingMode, build_loss
+from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input, validate_batch
 from compiled_loss.metrics import combine_metrics, metrics_to_python
 from compiled_loss.packing import (
     PackedLayout,
@@ -94,7 +96,7 @@ class TrainStep:
     def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.loss_fn = build_loss(cfg.loss)
-        self.pairs = loss_family(cfg.loss) == "dpo"
+        self.pairs = getattr(self.loss_fn, "rows_are_pairs", False)
         self.buckets: set[tuple[int, ...]] = set()
         packing = cfg.packing
         self.grid = packing.grid()
@@ -129,7 +131,16 @@ class TrainStep:
         start = time.perf_counter()
         device = self._device()
         batch = {k: v.to(device) for k, v in batch.items()}
+        if "input_lengths" not in batch:
+            raise ValueError(f"batch must hold 'input_lengths' ([B] sequence lengths); present: {sorted(batch)}")
+        if self.cfg.run.validate_inputs:
+            validate_batch(batch, vocab_size=self.cfg.model.vocab_size)
         lengths = batch.pop("input_lengths").tolist()  # host: boundaries are Python ints
+        if self.pairs and len(lengths) % 2:
+            raise ValueError(
+                f"{type(self.loss_fn).__name__} reads (chosen, rejected) row pairs; the batch has an odd number "
+                f"of rows ({len(lengths)})"
+            )
         sample_mask = batch["sample_mask"]
         g_seqs = sample_mask.sum()
         g_toks = (batch["token_mask"][:, 1:] * sample_mask[:, None]).sum()

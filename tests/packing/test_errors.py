@@ -108,3 +108,49 @@ def test_truncation_hides_data_past_each_length():
     for key in clean_metrics:
         torch.testing.assert_close(dirty_metrics[key], clean_metrics[key], msg=key)
     assert PackedLayout.build(cu, cup).tokens == tokens
+
+
+class TestUnclearInputs(TestCase):
+    def test_missing_or_malformed_boundaries(self):
+        import numpy as np
+
+        self.assertExpectedInline(
+            message(fused, None), """ValueError: cu_seqlens_q must be a 1-D sequence of ints [0, ..., total], got NoneType"""
+        )
+        self.assertExpectedInline(
+            message(fused, np.array([[0, 4], [4, 8]])),
+            """ValueError: cu_seqlens_q must be a 1-D integer tensor, got dtype torch.int64 and shape (2, 2)""",
+        )
+        self.assertExpectedInline(
+            message(fused, (0, 10**12)),
+            """ValueError: cu_seqlens_q totals 1000000000000 packed tokens, more than the 2147483647 an int32 cu_seqlens can address""",
+        )
+
+    def test_roll_past_the_tensor(self):
+        from compiled_loss.utils import roll_packed_seq_dim
+
+        self.assertExpectedInline(
+            message(roll_packed_seq_dim, torch.arange(8.0)[None], [0, 4, 12], 1),
+            """ValueError: cu_seqlens_padded ends at 12, but the tensor has 8 packed slots along dim 1""",
+        )
+
+    def test_distillation_without_masks_under_packing(self):
+        data, _ = make_batch(CASE_BY_NAME["distill_reverse"], [4, 3], 5, seed=0)
+        data = {k: v for k, v in data.items() if k not in ("token_mask", "sample_mask")}
+        wrapper = SequencePackingFusionLossWrapper(
+            CASE_BY_NAME["distill_reverse"].make_loss(), prepare_packed_loss_input, (0, 4, 7)
+        )
+        self.assertExpectedInline(
+            message(wrapper, torch.randn(1, 7, 16), data, None, None),
+            """ValueError: DistillationLossFn under packing needs data['token_mask'] and data['sample_mask']: without them it takes a plain mean over every position of the micro-batch, which is not the per-sequence loop's sum of per-sequence means""",
+        )
+
+    def test_packed_draft_without_masks(self):
+        from compiled_loss.wrapper import DraftLossWrapper
+
+        wrapper = DraftLossWrapper(lambda *a: (torch.tensor(0.0), {}), None, {}, cu_seqlens_q=(0, 4),
+                                   student_logits=torch.randn(1, 4, 3))
+        self.assertExpectedInline(
+            message(wrapper, torch.randn(1, 4, 3), {"token_mask": torch.ones(1, 4)}, None, torch.tensor(3.0)),
+            """ValueError: DraftLossWrapper (packed): data is missing key 'sample_mask' (present: ['token_mask'])""",
+        )
