@@ -52,9 +52,10 @@ def validate_batch(
             raise ValueError(f"data[{key!r}] must have shape [B, S, k] with [B, S] = {(rows, width)}, got "
                              f"{tuple(data[key].shape)}")
     if "teacher_topk_logits" in data and "teacher_topk_indices" in data:
-        if data["teacher_topk_logits"].shape != data["teacher_topk_indices"].shape:
+        logits, indices = data["teacher_topk_logits"].shape, data["teacher_topk_indices"].shape
+        if logits != indices:
             raise ValueError("data['teacher_topk_logits'] and data['teacher_topk_indices'] must have one shape, got "
-                             f"{tuple(data['teacher_topk_logits'].shape)} and {tuple(data['teacher_topk_indices'].shape)}")
+                             f"{tuple(logits)} and {tuple(indices)}")
     for key in INTEGER_KEYS:
         if key in data and not _is_integer(data[key]):
             raise TypeError(f"data[{key!r}] must be an integer tensor, got {data[key].dtype}")

@@ -189,6 +189,21 @@ def masked_max(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask > 0, values, float("-inf")).amax() if values.numel() else values.new_tensor(float("-inf"))
 
 
+def zero_outside(mask: Tensor, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Each tensor with every entry outside `mask > 0` set to 0 (`mask` broadcast over
+    trailing dims), before any math: a NaN or ±inf there then reaches no value and no
+    gradient (a masked mean alone multiplies it by 0, which is NaN, and so is its gradient
+    through an infinite derivative)."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        keep = (mask > 0).reshape(mask.shape + (1,) * (t.dim() - mask.dim()))
+        out.append(torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device)))
+    return tuple(out)
+
+
 def nan_to_zero(x: Tensor) -> Tensor:
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 

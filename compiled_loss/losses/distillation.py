@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
-from compiled_loss.losses.common import as_config, check_fields, masked_mean, normalizations, require
+from compiled_loss.losses.common import as_config, check_fields, masked_mean, normalizations, require, zero_outside
 
 Tensor = torch.Tensor
 
@@ -76,6 +76,10 @@ class DistillationLossFn:
                 f"{who}: student/teacher top-k log-probs must both be [B, S-1, k], got "
                 f"{tuple(s.shape)} and {tuple(t.shape)}"
             )
+        masked = "token_mask" in data and "sample_mask" in data
+        if masked:
+            mask = data["token_mask"][:, 1:][:, : s.shape[1]].to(s.dtype) * data["sample_mask"].to(s.dtype)[:, None]
+            s, t, H_all = zero_outside(mask, s, t, H_all)
         kl_type, w = self.cfg.kl_type, self.cfg.mixed_kl_weight
         ps, pt = torch.exp(s), torch.exp(t)
         forward = (pt * (t - s)).sum(-1)
@@ -95,11 +99,9 @@ class DistillationLossFn:
             if kl_type == "mixed":
                 correction = correction * (1 - w)
             per_token = per_token + correction
-        if "token_mask" in data and "sample_mask" in data:
-            mask = data["token_mask"][:, 1:][:, : per_token.shape[1]].to(per_token.dtype)
-            sm = data["sample_mask"].to(per_token.dtype)
-            loss = masked_mean(per_token, mask * sm[:, None], global_normalization_factor=global_valid_toks)
-            num_valid = sm.sum()
+        if masked:
+            loss = masked_mean(per_token, mask, global_normalization_factor=global_valid_toks)
+            num_valid = data["sample_mask"].to(per_token.dtype).sum()
         else:
             loss = per_token.mean()
             num_valid = per_token.new_tensor(float(per_token.shape[0]))

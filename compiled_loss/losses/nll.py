@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
-from compiled_loss.losses.common import check_logprob_inputs, float_masks, masked_mean, normalizations
+from compiled_loss.losses.common import check_logprob_inputs, float_masks, masked_mean, normalizations, zero_outside
 
 Tensor = torch.Tensor
 
@@ -36,9 +36,9 @@ class NLLLossFn:
         dpo_average_log_probs: bool = False,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         check_logprob_inputs(next_token_logprobs, data, (), "NLLLossFn")
-        lp = next_token_logprobs
-        tm, sm = float_masks(data, lp.dtype)
+        tm, sm = float_masks(data, next_token_logprobs.dtype)
         mask = tm * sm[:, None]
+        (lp,) = zero_outside(mask, next_token_logprobs)
         if dpo_loss:  # per-sample summed (or averaged) NLL, shape [B]
             loss = -(lp * mask).sum(-1)
             if dpo_average_log_probs:

@@ -24,6 +24,7 @@ from compiled_loss.losses.common import (
     nan_to_zero,
     normalizations,
     require,
+    zero_outside,
 )
 
 Tensor = torch.Tensor
@@ -271,34 +272,36 @@ class ClippedPGLossFn:
     # ---- the steps, in the reference's order -------------------------------------------
 
     def _tokens(self, lp: Tensor, data: Mapping[str, Tensor]) -> tuple[_Tokens, dict[str, Tensor]]:
-        """Check and align the inputs; apply the in-loss sequence filter (ref §4.1.8)."""
+        """Check and align the inputs, zeroed outside the mask; apply the in-loss sequence
+        filter (ref §4.1.8)."""
         cfg, beta = self.cfg, self.reference_policy_kl_penalty
         keys = ("advantages", "generation_logprobs")
         keys += () if cfg.force_on_policy_ratio else ("prev_logprobs",)
         keys += ("reference_policy_logprobs",) if beta != 0 else ()
         check_logprob_inputs(lp, data, keys, "ClippedPGLossFn")
         tm, sm = float_masks(data, lp.dtype)
-        lp_gen = data["generation_logprobs"][:, 1:]
-        lp_ref = data["reference_policy_logprobs"][:, 1:] if beta != 0 else None
+        mask0 = tm * sm[:, None]
         lp_u = data.get("curr_logprobs_unfiltered", lp)
+        lp_prev = None if cfg.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
+        lp_ref = data["reference_policy_logprobs"][:, 1:] if beta != 0 else None
+        lp, lp_u, lp_prev, lp_gen, lp_ref, adv = zero_outside(
+            mask0, lp, lp_u, lp_prev, data["generation_logprobs"][:, 1:], lp_ref, data["advantages"][:, 1:]
+        )
         extra: dict[str, Tensor] = {}
         if cfg.seq_logprob_error_in_loss:
-            mask0 = tm * sm[:, None]
             err_tok = torch.exp((lp.detach() - lp_gen).abs())
             err = torch.where(mask0 > 0, err_tok, 0.0).sum(-1) / (mask0.sum(-1) + 1e-8)
             keep = (err <= self.seq_logprob_error_threshold).to(sm.dtype)
             new_sm = sm * keep
-            survivors = tm * new_sm[:, None] > 0
-            lp, lp_u, lp_gen = (torch.where(survivors, t, 0.0) for t in (lp, lp_u, lp_gen))
-            lp_ref = None if lp_ref is None else torch.where(survivors, lp_ref, 0.0)
+            lp, lp_u, lp_gen, lp_ref = zero_outside(tm * new_sm[:, None], lp, lp_u, lp_gen, lp_ref)
             extra = {
                 "num_masked_seqs_by_logprob_error": (sm * (1 - keep)).sum(),
                 "seq_logprob_error_valid_tokens": (tm * new_sm[:, None]).sum(),
                 "seq_logprob_error_valid_seqs": new_sm.sum(),
             }
             sm = new_sm
-        lp_prev = lp.detach() if cfg.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
-        adv = data["advantages"][:, 1:]
+        if cfg.force_on_policy_ratio:
+            lp_prev = lp.detach()
         return _Tokens(lp, lp_u, lp_prev, lp_gen, lp_ref, adv, tm, sm, tm * sm[:, None]), extra
 
     def _diagnostics(self, x: _Tokens, g_toks: Tensor | None) -> dict[str, Tensor]:

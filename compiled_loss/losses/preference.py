@@ -24,6 +24,7 @@ from compiled_loss.losses.common import (
     normalizations,
     require,
     require_keys,
+    zero_outside,
 )
 from compiled_loss.losses.nll import NLLLossFn
 
@@ -83,6 +84,8 @@ def _preference_loss(
     accuracy / reward metrics and `num_valid_samples` (pairs)."""
     chosen, rejected = rewards[::2], rewards[1::2]
     sm_chosen, sm_rejected = sample_mask[::2], sample_mask[1::2]
+    (rejected_own,) = zero_outside(sm_rejected, rejected)  # its own mean reads its own mask
+    chosen, rejected = zero_outside(sm_chosen, chosen, rejected)  # a pair counts by its chosen row
     g_pairs = None if global_valid_seqs is None else global_valid_seqs / 2
     per_pair = -F.logsigmoid(beta * (chosen - rejected)) * sm_chosen
     loss = masked_mean(per_pair, sm_chosen, global_normalization_factor=g_pairs)
@@ -92,7 +95,7 @@ def _preference_loss(
         ),
         "rewards_chosen_mean": masked_mean(chosen.detach(), sm_chosen, global_normalization_factor=g_pairs),
         "rewards_rejected_mean": masked_mean(
-            rejected.detach(), sm_rejected, global_normalization_factor=g_pairs
+            rejected_own.detach(), sm_rejected, global_normalization_factor=g_pairs
         ),
         "num_valid_samples": sample_mask.sum() / 2,
     }
@@ -201,8 +204,8 @@ class DPOLossFn:
         check_logprob_inputs(lp, data, ("reference_policy_logprobs",), who)
         check_even_rows(lp.shape[0], who)
         tm, sm = float_masks(data, lp.dtype)
-        ref = data["reference_policy_logprobs"][:, :-1]
-        reward = ((lp - ref) * tm).sum(-1)
+        lp_tm, ref = zero_outside(tm, lp, data["reference_policy_logprobs"][:, :-1])
+        reward = ((lp_tm - ref) * tm).sum(-1)
         if cfg.preference_average_log_probs:
             reward = reward / tm.sum(-1).clamp(min=1)
         if cfg.sft_loss_weight > 0:

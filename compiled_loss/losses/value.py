@@ -18,6 +18,7 @@ from compiled_loss.losses.common import (
     require,
     require_keys,
     require_shape,
+    zero_outside,
 )
 
 Tensor = torch.Tensor
@@ -71,13 +72,12 @@ class MseValueLossFn:
         values = logits.squeeze(-1) if logits.shape[-1] == 1 else logits
         tm = data["token_mask"]
         require_shape(values, tuple(tm.shape), "values (logits squeezed, [B, S])", who)
-        values = values.float()
-        returns = data["returns"].to(values.dtype)
-        mask = tm.to(values.dtype) * data["sample_mask"].to(values.dtype)[:, None]
+        mask = tm.to(torch.float32) * data["sample_mask"].to(torch.float32)[:, None]
+        old = data["values"].float() if clipped else None
+        values, returns, old = zero_outside(mask, values.float(), data["returns"].float(), old)
         g = global_valid_toks
         unclipped = (values - returns).square()
         if clipped:
-            old = data["values"].to(values.dtype)
             v_clipped = torch.minimum(torch.maximum(values, old - cfg.cliprange), old + cfg.cliprange)
             clipped_sq = (v_clipped - returns).square()
             per_token = torch.maximum(unclipped, clipped_sq)

@@ -164,3 +164,28 @@ def test_help_lists_the_real_options_of_each_group():
     assert "loss: cispo, clipped_pg, distillation, dpo, gspo, mse_value, nll, reinforce" in groups
     assert "packing: fused, none, per_sequence" in groups
     assert "schema" not in groups
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.grad_clip=-1", "optim.grad_clip must be > 0 (or null to disable), got -1.0"),
+        ("optim.grad_clip=0", "optim.grad_clip must be > 0 (or null to disable), got 0.0"),
+        ("optim.lr=nan", "optim.lr must be finite, got nan"),
+        ("optim.beta2=1.0", "optim.beta2 must be in [0, 1), got 1.0"),
+        ("logprob.temperature=nan", "logprob.temperature must be finite, got nan"),
+        ("logprob.temperature=inf", "logprob.temperature must be finite, got inf"),
+        ("logprob.top_p=0", "logprob: top_p must be in (0, 1], got 0.0"),
+        ("logprob.chunk_size=0", "logprob.chunk_size must be >= 1, got 0"),
+        ("loss.ratio_clip_c=nan", "loss=clipped_pg: ratio_clip_c must be finite, got nan"),
+        ("loss.truncated_importance_sampling_ratio=nan",
+         "loss=clipped_pg: truncated_importance_sampling_ratio must be finite, got nan"),
+        ("data.error_rate_max=nan", "data.error_rate_max must be finite, got nan"),
+        ("data.response_median=0", "data.response_median must be > 0, got 0.0"),
+        ("model.vocab_size=0", "model.vocab_size must be >= 1, got 0"),
+        ("packing.tokens=0", "packing: BucketGrid.tokens must be >= 1, got 0"),
+        ("run.micro_batches=0", "run.micro_batches must be >= 1, got 0"),
+    ],
+)
+def test_every_numeric_option_is_validated_naming_the_key(override, message):
+    assert error(override) == message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import subprocess
 import sys
@@ -124,3 +125,34 @@ def test_dynamic_shapes_hold_to_one_compile(tmp_path):
     summary = train(config("run.steps=8", "compile.backend=eager", "compile.dynamic=true"), tmp_path)
     assert (summary["compiles"], summary["compile_problems"]) == (1, [])
     assert summary["buckets"] > 1
+
+
+def _step_and_batch(*overrides: str):
+    cfg = config("compile.enabled=false", *overrides)
+    family = loss_family(cfg.loss)
+    torch.manual_seed(0)
+    model = TinyLM(cfg.model)
+    batch = sample_batch(cfg.data, cfg.model.vocab_size, random.Random(1), pairs=family == "dpo")
+    batch = rollout(batch, family, policy=model, reference=copy.deepcopy(model), teacher=model, topk=4)
+    return build_train_step(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0)), batch
+
+
+def test_an_odd_dpo_batch_is_refused_not_truncated():
+    step, batch = _step_and_batch("loss=dpo")
+    batch = {k: v[:5] for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"DPOLossFn reads \(chosen, rejected\) row pairs; the batch has an odd "
+                                         r"number of rows \(5\)"):
+        step(batch)
+
+
+def test_the_step_validates_each_batch_before_the_compiled_region():
+    step, batch = _step_and_batch("loss=clipped_pg")
+    bad = {**batch, "input_ids": batch["input_ids"].clone()}
+    bad["input_ids"][0, 1] = 96  # model.vocab_size = 96
+    with pytest.raises(ValueError, match=r"data\['input_ids'\] must hold token ids in \[0, 96\)"):
+        step(bad)
+    fractional = {**batch, "sample_mask": batch["sample_mask"] * 2}  # not a mask, but computable
+    with pytest.raises(ValueError, match=r"data\['sample_mask'\] must hold values in \[0, 1\]"):
+        step(fractional)
+    unchecked, _ = _step_and_batch("loss=clipped_pg", "run.validate_inputs=false")
+    assert math.isfinite(unchecked(fractional).metrics["loss"])
