@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "compiled_loss"
 
 # Layers, lowest first. A module may import its own layer and the layers before it.
 LAYERS = [
-    {"interfaces", "metrics"},
+    {"interfaces", "metrics", "checks"},
     {"parallel"},
     {"vocab"},
     {"packing"},

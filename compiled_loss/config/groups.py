@@ -9,7 +9,7 @@ import enum
 
 import torch
 
-from compiled_loss.losses.common import ConfigError, check_fields, require
+from compiled_loss.checks import ConfigError, check_fields, require
 from compiled_loss.packing import BucketGrid
 from compiled_loss.vocab import TrainingSamplingParams
 

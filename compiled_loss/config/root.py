@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from compiled_loss.checks import require
 from compiled_loss.config.groups import (
     CompileConfig,
     DataConfig,
@@ -18,7 +19,6 @@ from compiled_loss.config.groups import (
 )
 from compiled_loss.config.losses import ClippedPgLossOption, build_loss, loss_family
 from compiled_loss.interfaces import LossInputType
-from compiled_loss.losses.common import require
 
 
 @dataclasses.dataclass(kw_only=True)

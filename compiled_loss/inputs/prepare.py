@@ -124,7 +124,9 @@ def _student_topk(
     if zero_outside_topk:
         stats = vocab_reduce(rows, index, entropy=calculate_entropy)
         return stats.picked - stats.lse[:, None], stats.negent if calculate_entropy else None
-    return torch.log_softmax(rows.gather(-1, index).float(), -1), None
+    gathered = rows.gather(-1, index)  # renormalised over the k columns, by the same primitive
+    stats = vocab_reduce(gathered, torch.arange(index.shape[-1], device=index.device).expand_as(index))
+    return stats.picked - stats.lse[:, None], None
 
 
 def _draft_loss_input(

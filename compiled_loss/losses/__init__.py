@@ -12,7 +12,8 @@ under NeMo-RL's keys.
 - `draft_ce`: `DraftCrossEntropyLossFn`, `DraftLossStats`.
 """
 
-from compiled_loss.losses.common import ConfigError, calculate_kl, masked_mean
+from compiled_loss.checks import ConfigError
+from compiled_loss.losses.common import calculate_kl, masked_mean
 from compiled_loss.losses.distillation import DistillationLossConfig, DistillationLossFn
 from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn, DraftLossStats
 from compiled_loss.losses.nll import NLLLossFn

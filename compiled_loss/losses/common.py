@@ -1,32 +1,25 @@
 """What every loss family shares: the reference's numeric helpers (`masked_mean`,
 `calculate_kl`, ref §1.3, §3.1), mask and shape helpers, and the config checks.
 
-Config errors are `ConfigError`, both a `ValueError` and an `AssertionError`: the
-reference asserts (older releases) or raises ValueError (newer), and code written against
-either still catches it. Single-field checks run when a config object is constructed
-(`check_fields` plus each config's ranges); cross-field checks run when the loss is.
+Config errors are `compiled_loss.checks.ConfigError`. Single-field checks run when a config
+object is constructed (`check_fields` plus each config's ranges); cross-field checks run
+when the loss is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
 
+from compiled_loss.checks import ConfigError
 from compiled_loss.interfaces import MetricNormalizer
 
 Tensor = torch.Tensor
 
 _C = TypeVar("_C")
-
-
-class ConfigError(ValueError, AssertionError):
-    """A refused loss configuration (a ValueError and an AssertionError)."""
 
 
 # ---- configs ------------------------------------------------------------------------
@@ -43,53 +36,6 @@ def as_config(cfg: Any, cls: type[_C], who: str) -> _C:
             raise ConfigError(f"{who}: unknown config keys {unknown}; valid keys: {sorted(known)}")
         return cls(**cfg)
     raise TypeError(f"{who}: cfg must be a {cls.__name__} or a mapping, got {type(cfg).__name__}")
-
-
-def _type_error(name: str, expected: str, value: Any) -> ConfigError:
-    return ConfigError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
-
-
-def check_value(name: str, value: Any, annotation: Any) -> None:
-    """ConfigError unless `value` has type `annotation` (bool, int, float, str, Literal,
-    optionally `| None`). Ints pass for floats, bools never pass for numbers, and a float
-    must be finite (NaN and ±inf fail)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value is None:
-            return
-        annotation, origin = args[0], typing.get_origin(args[0])
-    if origin is typing.Literal:
-        choices = typing.get_args(annotation)
-        if value not in choices or not isinstance(value, str):
-            raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    elif annotation is bool:
-        if not isinstance(value, bool):
-            raise _type_error(name, "a bool", value)
-    elif annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _type_error(name, "an int", value)
-    elif annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _type_error(name, "a float", value)
-        if not math.isfinite(value):
-            raise ConfigError(f"{name} must be finite, got {value}")
-    elif annotation is str:
-        if not isinstance(value, str):
-            raise _type_error(name, "a str", value)
-
-
-def check_fields(cfg: Any) -> None:
-    """Type and finiteness of every field of a config dataclass (see `check_value`)."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        check_value(f.name, getattr(cfg, f.name), hints[f.name])
-
-
-def require(ok: bool, message: str) -> None:
-    """ConfigError(message) unless `ok`. Write checks so that NaN fails them (`not (x > 0)`)."""
-    if not ok:
-        raise ConfigError(message)
 
 
 # ---- data ---------------------------------------------------------------------------
@@ -111,7 +57,7 @@ def check_logprob_inputs(lp: Tensor, data: Mapping[str, Tensor], keys: tuple[str
     """`[B, S-1]` log-probs, `[B, S]` token mask and `keys`, `[B]` sample mask."""
     require_keys(data, ("token_mask", "sample_mask") + keys, who)
     rows, width = data["token_mask"].shape
-    require_shape(lp, (rows, width - 1), "next_token_logprobs ([B, S-1])", who)
+    require_shape(lp, (rows, max(width - 1, 0)), "next_token_logprobs ([B, S-1])", who)
     require_shape(data["sample_mask"], (rows,), "data['sample_mask'] ([B])", who)
     for key in keys:
         require_shape(data[key], (rows, width), f"data[{key!r}] ([B, S])", who)

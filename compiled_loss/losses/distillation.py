@@ -8,8 +8,9 @@ from typing import Literal
 
 import torch
 
+from compiled_loss.checks import check_fields, require
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
-from compiled_loss.losses.common import as_config, check_fields, masked_mean, normalizations, require, zero_outside
+from compiled_loss.losses.common import as_config, masked_mean, normalizations, zero_outside
 
 Tensor = torch.Tensor
 

@@ -10,20 +10,18 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from compiled_loss.checks import check_fields, check_value, require
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
     calculate_kl,
-    check_fields,
     check_logprob_inputs,
-    check_value,
     float_masks,
     masked_max,
     masked_mean,
     masked_min,
     nan_to_zero,
     normalizations,
-    require,
     zero_outside,
 )
 
@@ -46,9 +44,9 @@ class ClippedPGLossConfig:
     sequence_level_importance_ratios: bool = False
     """GSPO: one ratio per sequence, the geometric mean of its token ratios."""
     ratio_clip_min: float = 0.2
-    """ε_low: the ratio is clipped below at 1 - ε_low."""
+    """ε_low >= 0: the ratio is clipped below at 1 - ε_low."""
     ratio_clip_max: float = 0.2
-    """ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher)."""
+    """ε_high >= 0: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher)."""
     ratio_clip_c: float | None = None
     """Dual-clip constant c > 1 bounding the loss of negative advantages; None disables."""
     reference_policy_kl_penalty: float = 0.01
@@ -68,7 +66,7 @@ class ClippedPGLossConfig:
     truncated_importance_sampling_ratio: float | None = None
     """Upper bound of the importance weights (> 0); a value without a type means 'tis'."""
     truncated_importance_sampling_ratio_min: float | None = None
-    """Lower bound (tis: default 0; required by icepop and seq-mask-tis)."""
+    """Lower bound >= 0 (tis: default 0; required by icepop and seq-mask-tis)."""
     use_on_policy_kl_approximation: bool = False
     """Weight the reference KL by π / π_gen instead of 1."""
     force_on_policy_ratio: bool = False
@@ -76,7 +74,7 @@ class ClippedPGLossConfig:
     use_cispo: bool = False
     """CISPO: clipped, detached ratio times the log-prob."""
     positive_example_nll_weight: float = 0.0
-    """VAPO μ: weight of the NLL on positive-reward responses (local denominator)."""
+    """VAPO μ >= 0: weight of the NLL on positive-reward responses (local denominator)."""
     seq_logprob_error_in_loss: bool = False
     """Drop sequences whose mean exp|lp - lp_gen| exceeds seq_logprob_error_threshold."""
 
@@ -89,6 +87,10 @@ class ClippedPGLossConfig:
         for name in ("kl_input_clamp_value", "kl_output_clamp_value", "truncated_importance_sampling_ratio"):
             value = getattr(self, name)
             require(value is None or value > 0, f"{name} must be > 0 (or None), got {value}")
+        for name in ("ratio_clip_min", "ratio_clip_max", "truncated_importance_sampling_ratio_min",
+                     "positive_example_nll_weight"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, f"{name} must be >= 0, got {value}")
 
     def validate(self, seq_logprob_error_threshold: float | None = None) -> None:
         """Cross-field checks (ref §4.1.2, §4.1.8), run by `ClippedPGLossFn`'s constructor."""
@@ -138,6 +140,10 @@ class ClippedPGLossConfig:
                 "seq_logprob_error_in_loss requires seq_logprob_error_threshold",
             )
             check_value("seq_logprob_error_threshold", seq_logprob_error_threshold, float)
+            require(
+                seq_logprob_error_threshold >= 0,
+                f"seq_logprob_error_threshold must be >= 0, got {seq_logprob_error_threshold}",
+            )
             require(
                 self.force_on_policy_ratio and self.token_level_loss,
                 "seq_logprob_error_in_loss requires force_on_policy_ratio=True and token_level_loss=True",

@@ -14,15 +14,14 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from compiled_loss.checks import check_fields, require
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
-    check_fields,
     check_logprob_inputs,
     float_masks,
     masked_mean,
     normalizations,
-    require,
     require_keys,
     zero_outside,
 )

@@ -7,15 +7,14 @@ from collections.abc import Mapping
 
 import torch
 
+from compiled_loss.checks import check_fields, require
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
-    check_fields,
     masked_max,
     masked_mean,
     masked_min,
     normalizations,
-    require,
     require_keys,
     require_shape,
     zero_outside,
@@ -29,12 +28,13 @@ class MseValueLossConfig:
     """Configuration of `MseValueLossFn` (ref §4.7; defaults are the reference's)."""
 
     scale: float = 1.0
-    """Multiplies the loss (0.5 · scale · mean squared error); finite."""
+    """Multiplies the loss (0.5 · scale · mean squared error); >= 0."""
     cliprange: float | None = None
     """Clip the new values to old ± cliprange (PPO value clipping); None or 0 disables."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        require(self.scale >= 0, f"scale must be >= 0, got {self.scale}")
         c = self.cliprange
         require(c is None or c >= 0, f"cliprange must be >= 0 (or None), got {c}")
 

@@ -236,14 +236,14 @@ class PackedLayout:
         return cols[None, :] < self.row_len[:, None]
 
     def truncate(self, data: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Zero every `[B, w, ...]` (w > 1) tensor past each row's length.
+        """Zero every `[B, w, ...]` tensor (w > 1, or w = S) past each row's length.
 
         The vectorised equivalent of the per-sequence wrapper's `[:, :L_i]` slicing (ref
         §7.2): values past a sequence's length can never reach a loss, gradient or metric.
         """
-        out = dict(data)
+        out, width = dict(data), row_width(data)
         for key, value in data.items():
-            if isinstance(value, Tensor) and value.dim() > 1 and value.shape[1] > 1:
+            if isinstance(value, Tensor) and value.dim() > 1 and (value.shape[1] > 1 or value.shape[1] == width):
                 keep = self.valid_mask(value.shape[1])
                 keep = keep.reshape(keep.shape + (1,) * (value.dim() - 2))
                 out[key] = torch.where(keep, value, torch.zeros((), dtype=value.dtype, device=value.device))

@@ -9,10 +9,10 @@ set stays `chunk × V` (no full fp32 `[T, V]` copy of the logits, sorted or not)
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
+from compiled_loss.checks import check_fields, require
 from compiled_loss.vocab.reduce import check_chunk_size, row_chunks
 
 Tensor = torch.Tensor
@@ -24,18 +24,15 @@ class TrainingSamplingParams:
 
     top_k: int | None = None
     """Keep the `top_k` largest logits of each row; None or <= 0 disables (vLLM's -1)."""
-    top_p: float = 1.0
+    top_p: float | None = 1.0
     """Nucleus mass in (0, 1]; 1.0 disables."""
     temperature: float = 1.0
     """Logits are divided by it before the loss (by the caller, as in NeMo-RL); > 0."""
 
     def __post_init__(self) -> None:
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
-            raise ValueError(f"top_k must be None or an int, got {self.top_k!r}")
-        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
+        check_fields(self)
+        require(self.top_p is None or 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.temperature > 0, f"temperature must be finite and > 0, got {self.temperature}")
 
 
 def need_top_k_or_top_p_filtering(sampling_params: TrainingSamplingParams | None) -> bool:
