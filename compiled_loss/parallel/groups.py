@@ -13,6 +13,13 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in `group` (0 for None or when torch.distributed is not initialised)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
 def require_single_process(group: dist.ProcessGroup | None, name: str) -> None:
     """Raise NotImplementedError for a process group spanning more than one rank."""
     size = group_size(group)

@@ -1,14 +1,15 @@
 """The vocab room: every computation over a `[N, V]` logits row lives here.
 
 - `reduce`: `vocab_reduce`, the one primitive (log-partition, picked logits, negative
-  entropy, soft cross-entropy against a teacher) with a recomputing backward, and
-  `token_logprobs` on top of it;
+  entropy, soft cross-entropy against a teacher) with a recomputing backward, over the
+  full vocabulary or a tensor-parallel shard of it; `token_logprobs` on top of it; the
+  global top-k `vocab_topk`;
 - `sampling`: top-k / top-p parameters and keep thresholds;
 - `draft_vocab`: the drafter's draft→target vocabulary map.
 """
 
 from compiled_loss.vocab.draft_vocab import DraftVocab, map_teacher_logits_to_draft_vocab
-from compiled_loss.vocab.reduce import VocabStats, check_chunk_size, token_logprobs, vocab_reduce
+from compiled_loss.vocab.reduce import VocabStats, check_chunk_size, token_logprobs, vocab_reduce, vocab_topk
 from compiled_loss.vocab.sampling import (
     TrainingSamplingParams,
     mask_out_neg_inf_logprobs,
@@ -27,4 +28,5 @@ __all__ = [
     "sampling_threshold",
     "token_logprobs",
     "vocab_reduce",
+    "vocab_topk",
 ]

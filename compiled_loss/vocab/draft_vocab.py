@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from compiled_loss.parallel import require_single_process
+from compiled_loss.parallel import group_rank, group_size
+from compiled_loss.parallel.collectives import all_gather
 
 Tensor = torch.Tensor
 
@@ -68,16 +69,31 @@ def map_teacher_logits_to_draft_vocab(
     """Restrict full-vocab teacher logits `[..., V]` to the draft vocabulary via `d2t`
     (draft index `i` → target id `i + d2t[i]`); no-op when `d2t` is None (ref §6.2).
 
-    Pass a `DraftVocab` (checked once) to map without a device sync. A raw `d2t` tensor is
-    checked on every eager call (one sync) and not at all under torch.compile.
+    Under tensor parallelism (`vocab_parallel_group`) the teacher arrives vocab-sharded
+    `[..., V / tp]`: it is all-gathered to the full vocabulary and this rank's contiguous
+    slice of the draft vocabulary is returned `[..., V_draft / tp]` (the draft head is
+    sharded the same way). Pass a `DraftVocab` (checked once) to map without a device sync;
+    a raw `d2t` tensor is checked on every eager call (one sync) and not under torch.compile.
     """
     if d2t is None:
         return teacher_logits
-    require_single_process(vocab_parallel_group, "vocab_parallel_group")
+    shards = group_size(vocab_parallel_group)
+    if shards > 1:
+        gathered = all_gather(teacher_logits, vocab_parallel_group)  # [tp, ..., V / tp]
+        teacher_logits = gathered.movedim(0, -2).reshape(teacher_logits.shape[:-1] + (-1,))
     if isinstance(d2t, Tensor) and torch.compiler.is_compiling():
         target = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
     else:
         vocab = d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t)
         vocab.check_vocab(teacher_logits.shape[-1])
         target = vocab.target_ids
+    if shards > 1:
+        if target.shape[0] % shards:
+            raise ValueError(
+                f"the draft vocabulary ({target.shape[0]} ids) must divide evenly over the {shards} "
+                "tensor-parallel ranks"
+            )
+        local = target.shape[0] // shards
+        rank = group_rank(vocab_parallel_group)
+        target = target[rank * local : (rank + 1) * local]
     return teacher_logits.index_select(-1, target.to(teacher_logits.device))

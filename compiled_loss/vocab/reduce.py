@@ -10,6 +10,9 @@ per-row statistics every loss is built from:
 
 so that e.g. `logprob = picked - lse` and `soft-CE = lse - cross`.
 
+Under tensor parallelism each rank holds a vocabulary shard and the statistics are those of
+the full vocabulary (two all-reduces of `[N]`-sized vectors, `group=`).
+
 It is an `autograd.Function` that saves only the inputs and `[N]` statistics and
 recomputes the softmax in a pointwise backward, so no fp32 `[N, V]` copy of the logits is
 ever kept. Under torch.compile the forward and backward each fuse into one kernel; in eager
@@ -21,9 +24,12 @@ treated as `-inf` (and receive no gradient).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+
+from compiled_loss.parallel import group_rank, group_size
+from compiled_loss.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
 
 Tensor = torch.Tensor
 
@@ -73,41 +79,64 @@ def _xlogp_safe(p: Tensor, x: Tensor) -> Tensor:
     return torch.where(p > 0, p * x, 0.0)
 
 
+def _local_index(index: Tensor, start: int, vocab: int) -> tuple[Tensor, Tensor]:
+    """Global vocabulary ids → (position in this shard `[start, start + vocab)`, in-shard mask)."""
+    local = index - start
+    in_shard = (local >= 0) & (local < vocab)
+    return torch.where(in_shard, local, 0), in_shard
+
+
 class _VocabReduce(torch.autograd.Function):
+    """Per row: a pass over this rank's vocabulary shard gives its max `m` and, relative to
+    it, `Σ e^(x-m)`, `Σ e^(x-m)·x`, the teacher's max and `Σ e^(t-mt)`, `Σ e^(t-mt)·x`, and
+    the logits at the indices it holds; the shards merge with one max and one sum
+    all-reduce of `[N]`-sized statistics (no collective at all without a group). The
+    backward is pointwise on the shard: every statistic it needs is global."""
+
     @staticmethod
-    def forward(ctx, logits, index, threshold, teacher, entropy, chunk_size):
+    def forward(ctx, logits, index, threshold, teacher, entropy, chunk_size, group):
         n, vocab = logits.shape
-        dev = logits.device
-        lse = torch.empty(n, dtype=torch.float32, device=dev)
-        picked = torch.empty(index.shape, dtype=torch.float32, device=dev)
-        negent = torch.zeros(n, dtype=torch.float32, device=dev)
-        cross = torch.zeros(n, dtype=torch.float32, device=dev)
-        teacher_lse = torch.zeros(n if teacher is not None else 0, dtype=torch.float32, device=dev)
+        dev, f32 = logits.device, torch.float32
+        local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
+        stats = torch.zeros(n, 5, dtype=f32, device=dev)  # m, Σe, Σe·x, mt, Σet (per shard)
+        weighted = torch.zeros(n, dtype=f32, device=dev)  # Σ et·x
+        picked = torch.empty(index.shape, dtype=f32, device=dev)
         for s, e in _row_chunks(n, vocab, chunk_size):
             x = _filtered(logits[s:e].float(), None if threshold is None else threshold[s:e])
-            m = x.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
-            row_lse = (m + torch.log(torch.exp(x - m).sum(-1, keepdim=True))).squeeze(-1)
-            lse[s:e] = row_lse
-            picked[s:e] = x.gather(-1, index[s:e])
+            m = x.amax(-1).clamp(min=torch.finfo(f32).min)
+            ex = torch.exp(x - m[:, None])
+            stats[s:e, 0], stats[s:e, 1] = m, ex.sum(-1)
             if entropy:
-                p = torch.exp(x - row_lse[:, None])
-                negent[s:e] = _xlogp_safe(p, x).sum(-1) - row_lse
+                stats[s:e, 2] = _xlogp_safe(ex, x).sum(-1)
             if teacher is not None:
                 t = teacher[s:e].float()
-                t_lse = torch.logsumexp(t, -1)
-                teacher_lse[s:e] = t_lse
-                cross[s:e] = _xlogp_safe(torch.exp(t - t_lse[:, None]), x).sum(-1)
-        ctx.save_for_backward(logits, index, threshold, teacher, lse, negent, teacher_lse)
+                mt = t.amax(-1).clamp(min=torch.finfo(f32).min)
+                et = torch.exp(t - mt[:, None])
+                stats[s:e, 3], stats[s:e, 4] = mt, et.sum(-1)
+                weighted[s:e] = _xlogp_safe(et, x).sum(-1)
+            picked[s:e] = torch.where(in_shard[s:e], x.gather(-1, local[s:e]), 0.0)
+        maxima = all_reduce_max(stats[:, [0, 3]], group)  # global max of the row, of the teacher row
+        scale = torch.exp(stats[:, [0, 3]] - maxima)  # each shard's sums, rescaled to the global max
+        sums = all_reduce_sum(torch.stack([stats[:, 1] * scale[:, 0], stats[:, 2] * scale[:, 0],
+                                           stats[:, 4] * scale[:, 1], weighted * scale[:, 1]], -1), group)
+        total, weighted_x, teacher_total, teacher_x = sums.unbind(-1)
+        lse = maxima[:, 0] + torch.log(total)
+        negent = weighted_x / total - lse if entropy else torch.zeros_like(lse)
+        teacher_lse = maxima[:, 1] + torch.log(teacher_total)
+        cross = teacher_x / teacher_total if teacher is not None else torch.zeros_like(lse)
+        picked = all_reduce_sum(picked, group)
+        ctx.save_for_backward(logits, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
         ctx.chunk_size, ctx.entropy = chunk_size, entropy
         return lse, picked, negent, cross
 
     @staticmethod
     def backward(ctx, g_lse, g_picked, g_negent, g_cross):
-        logits, index, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
+        logits, index, in_shard, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
         n, vocab = logits.shape
         grad = torch.empty_like(logits)
         k = index.shape[-1]
         iota = torch.arange(vocab, device=logits.device)
+        g_picked = torch.where(in_shard, g_picked, 0.0)  # an index another shard holds
         # rows that no output gradient reaches get exactly 0, whatever their logits hold
         live = (g_lse != 0) | (g_picked != 0).any(-1) | (g_negent != 0) | (g_cross != 0)
         for s, e in _row_chunks(n, vocab, ctx.chunk_size):
@@ -134,7 +163,7 @@ class _VocabReduce(torch.autograd.Function):
                         x.gather(-1, index[s:e]) > float("-inf"), picked_grad, 0.0
                     )
                 grad[s:e] = grad[s:e].scatter_add(-1, index[s:e], picked_grad.to(grad.dtype))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def vocab_reduce(
@@ -145,12 +174,17 @@ def vocab_reduce(
     teacher: Tensor | None = None,
     entropy: bool = False,
     chunk_size: int | None = None,
+    group: Any = None,
 ) -> VocabStats:
     """Row statistics of `logits [N, V]`; see the module docstring.
 
     `index [N, K]` (long) selects `picked`; `threshold [N]` filters (top-k/top-p);
     `teacher [N, V]` (detached) gives `cross`; `entropy` computes `negent`.
     `chunk_size` (rows) bounds the eager-mode fp32 working set; ignored when compiling.
+    With a tensor-parallel `group`, `logits` (and `teacher`) are this rank's vocabulary
+    shard `[N, V / tp]` (rank `r` holds ids `[r·V/tp, (r+1)·V/tp)`), `index` holds GLOBAL
+    ids, and every statistic is the full vocabulary's; the gradient is this shard's slice
+    of the full one.
     """
     check_chunk_size(chunk_size)
     if index is None:
@@ -160,7 +194,7 @@ def vocab_reduce(
     if threshold is not None:
         threshold = threshold.detach().float()
     return VocabStats(
-        *_VocabReduce.apply(logits, index, threshold, teacher, entropy, chunk_size)
+        *_VocabReduce.apply(logits, index, threshold, teacher, entropy, chunk_size, group)
     )
 
 
@@ -170,7 +204,26 @@ def token_logprobs(
     *,
     threshold: Tensor | None = None,
     chunk_size: int | None = None,
+    group: Any = None,
 ) -> Tensor:
-    """`log softmax(logits)[target]` per row, fp32 `[N]` (`-inf` for a filtered target)."""
-    stats = vocab_reduce(logits, targets[:, None], threshold=threshold, chunk_size=chunk_size)
+    """`log softmax(logits)[target]` per row, fp32 `[N]` (`-inf` for a filtered target);
+    `group`: see `vocab_reduce`."""
+    stats = vocab_reduce(logits, targets[:, None], threshold=threshold, chunk_size=chunk_size, group=group)
     return stats.picked[:, 0] - stats.lse
+
+
+@torch.no_grad()
+def vocab_topk(logits: Tensor, k: int, group: Any = None) -> tuple[Tensor, Tensor]:
+    """The `min(k, V)` largest logits of each row and their GLOBAL vocabulary ids (ref §8.8),
+    fp32 values in descending order; with a tensor-parallel `group`, over the full
+    vocabulary of the row's shards."""
+    vocab = logits.shape[-1]
+    values, ids = torch.topk(logits.float(), min(k, vocab), -1)
+    shards = group_size(group)
+    if shards == 1:
+        return values, ids
+    ids = ids + group_rank(group) * vocab
+    values = all_gather(values, group).movedim(0, -2).flatten(-2)  # [..., tp·k]
+    ids = all_gather(ids, group).movedim(0, -2).flatten(-2)
+    top, where = torch.topk(values, min(k, vocab * shards), -1)
+    return top, ids.gather(-1, where)
