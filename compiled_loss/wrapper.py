@@ -16,12 +16,14 @@ calls copy nothing).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from compiled_loss.draft import DraftRuntime, draft_soft_ce, packed_draft_soft_ce, with_draft_loss
+from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input
 from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn
 from compiled_loss.metrics import _SEQ_METRIC_MAX, _SEQ_METRIC_MIN
 from compiled_loss.packing import (
@@ -32,7 +34,7 @@ from compiled_loss.packing import (
     sequence_packing_loss,
     wrap_loss_fn_with_input_preparation,
 )
-from compiled_loss.parallel import require_single_process
+from compiled_loss.parallel import check_agreement
 from compiled_loss.vocab import DraftVocab
 
 Tensor = TypeVar("Tensor")  # seed: `nemo_rl.algorithms.loss.wrapper.Tensor`
@@ -49,6 +51,20 @@ __all__ = [
     "wrap_loss_fn_with_input_preparation",
     "sequence_packing_loss",
 ]
+
+
+def _packed_prepare(prepare_fn: Callable[..., Any], who: str) -> Callable[..., Any]:
+    """`prepare_loss_input` (or a partial of it) → `prepare_packed_loss_input` with the same options."""
+    keywords = {}
+    if isinstance(prepare_fn, functools.partial) and not prepare_fn.args:
+        prepare_fn, keywords = prepare_fn.func, dict(prepare_fn.keywords)
+    if prepare_fn is not prepare_loss_input:
+        raise ValueError(
+            f"{who} with context parallelism needs prepare_fn=prepare_loss_input (or a functools.partial of it): "
+            f"each rank evaluates its own CP slots; got {prepare_fn!r}"
+        )
+    keywords.pop("d2t", None)  # draft inputs go through DraftLossWrapper
+    return functools.partial(prepare_packed_loss_input, **keywords)
 
 
 def _check_pairs_fit(loss_fn: Any, layout: PackedLayout, who: str) -> None:
@@ -74,18 +90,26 @@ class _PackingWrapper:
     bucket: BucketGrid = BucketGrid()
     device: torch.device | str | None = None
     layout: PackedLayout = dataclasses.field(init=False, repr=False)
+    _run_fused: bool = dataclasses.field(init=False, repr=False)
+    _prepare: Callable[..., Any] = dataclasses.field(init=False, repr=False)
 
     _fused: ClassVar[bool]
 
     def __post_init__(self) -> None:
-        require_single_process(self.vocab_parallel_group, "vocab_parallel_group")
-        require_single_process(self.context_parallel_group, "context_parallel_group")
         cu, cup = check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded)
         object.__setattr__(self, "cu_seqlens_q", cu)
         object.__setattr__(self, "cu_seqlens_q_padded", cup)
-        layout = PackedLayout.build(cu, cup, grid=self.bucket, device=self.device)
+        check_agreement("the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)", (cu, cup, self.bucket),
+                        self.vocab_parallel_group, self.context_parallel_group)
+        layout = PackedLayout.build(cu, cup, grid=self.bucket, device=self.device,
+                                    context_parallel_group=self.context_parallel_group)
         _check_pairs_fit(self.loss_fn, layout, type(self).__name__)
         object.__setattr__(self, "layout", layout)
+        fused, prepare = self._fused, self.prepare_fn
+        if layout.shards is not None and not fused:  # per-token work on each rank's CP slots
+            fused, prepare = True, _packed_prepare(prepare, type(self).__name__)
+        object.__setattr__(self, "_run_fused", fused)
+        object.__setattr__(self, "_prepare", prepare)
 
     def __call__(
         self,
@@ -96,8 +120,8 @@ class _PackingWrapper:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return sequence_packing_loss(
             next_token_logits, data, global_valid_seqs, global_valid_toks,
-            loss_fn=self.loss_fn, prepare_fn=self.prepare_fn, layout=self.layout,
-            fused=self._fused, cu_seqlens_q=self.cu_seqlens_q,
+            loss_fn=self.loss_fn, prepare_fn=self._prepare, layout=self.layout,
+            fused=self._run_fused, cu_seqlens_q=self.cu_seqlens_q,
             cu_seqlens_q_padded=self.cu_seqlens_q_padded,
             vocab_parallel_rank=self.vocab_parallel_rank,
             vocab_parallel_group=self.vocab_parallel_group,
@@ -107,7 +131,10 @@ class _PackingWrapper:
 
 class SequencePackingLossWrapper(_PackingWrapper):
     """Per-sequence packing semantics (ref §7.2), vectorised: `prepare_fn` is
-    `prepare_loss_input` (or any function of that signature)."""
+    `prepare_loss_input` (or any function of that signature). Under context parallelism it
+    must be `prepare_loss_input` or a `functools.partial` of it: the per-token vocabulary
+    work then runs on each rank's CP slots (`prepare_packed_loss_input`), with the same
+    values as the per-sequence loop."""
 
     _fused = False
 
@@ -129,7 +156,9 @@ class DraftLossWrapper:
     (`cu_seqlens_q` given): the soft-CE runs once over the packed `[1, T]` layout with the
     teacher shifted within each segment; `student_logits` must be passed explicitly and
     `d2t` is checked once, here. `data_dict` is accepted for signature compatibility and
-    not read.
+    not read. Both layouts take tensor- and context-parallel groups (vocabulary-sharded
+    logits and draft head; each rank's CP slots, the draft soft-CE summed over the CP ranks
+    under the policy loss's gradient convention).
     """
 
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -153,7 +182,6 @@ class DraftLossWrapper:
     draft_loss_fn: Any = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        require_single_process(self.context_parallel_group, "context_parallel_group")
         packed = self.cu_seqlens_q is not None
         if packed and self.student_logits is None:
             raise ValueError("DraftLossWrapper: student_logits must be passed explicitly in packed mode")
@@ -165,8 +193,11 @@ class DraftLossWrapper:
             vocab_parallel_group=self.vocab_parallel_group, token_chunk_size=self.token_chunk_size,
         ))
         if packed:
-            layout = PackedLayout.build(self.cu_seqlens_q, self.cu_seqlens_q_padded, grid=self.bucket,
-                                        device=self.device)
+            cu, cup = check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded)
+            check_agreement("the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)", (cu, cup, self.bucket),
+                            self.vocab_parallel_group, self.context_parallel_group)
+            layout = PackedLayout.build(cu, cup, grid=self.bucket, device=self.device,
+                                        context_parallel_group=self.context_parallel_group)
             object.__setattr__(self, "layout", layout)
             if self.d2t is not None:
                 object.__setattr__(self, "draft_vocab", DraftVocab.build(self.d2t))

@@ -12,6 +12,7 @@ import torch
 from compiled_loss.losses.common import require_keys
 from compiled_loss.losses.draft_ce import DraftCrossEntropyLossFn
 from compiled_loss.packing import PackedLayout
+from compiled_loss.parallel.collectives import sum_context_parallel
 from compiled_loss.vocab import DraftVocab, map_teacher_logits_to_draft_vocab
 
 Tensor = torch.Tensor
@@ -30,18 +31,21 @@ def draft_soft_ce(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Unpacked `[B, S, V]`: `prepare_fn` (`prepare_loss_input` with `d2t` bound) builds the
     shifted teacher and mask; the draft soft-CE is normalised by the POLICY's G_t (ref §7.4),
-    or — `defer_normalization` — left as a raw sum with its numerator and count reported."""
+    or — `defer_normalization` — left as a raw sum with its numerator and count reported.
+    Under context parallelism each rank's share is summed over the CP ranks."""
     loss_input, draft_data = prepare_fn(logits=next_token_logits, data=data, loss_fn=draft_loss_fn, **groups)
+    cp = groups.get("context_parallel_group")
     if not defer_normalization:
         draft = draft_loss_fn(
             data=draft_data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
             **loss_input,
         )
-        return draft, {}
+        return sum_context_parallel(draft, cp), {}
     stats = draft_loss_fn.loss_stats(data=draft_data, **loss_input)
-    return stats.normalized(torch.ones_like(stats.counts)), {
-        "_draft_step_numerator": stats.numerators.sum().detach(),
-        "_draft_step_count": stats.counts.sum().detach(),
+    numerator = sum_context_parallel(stats.normalized(torch.ones_like(stats.counts)), cp)
+    return numerator, {
+        "_draft_step_numerator": numerator.detach(),
+        "_draft_step_count": sum_context_parallel(stats.counts.sum(), cp).detach(),
     }
 
 
@@ -60,24 +64,27 @@ def packed_draft_soft_ce(
 ) -> Tensor:
     """Packed `[1, T, V]`: ONE soft-CE over the packed slots, the teacher shifted left by one
     within each segment and mapped to the draft vocabulary, the mask `token_mask ·
-    sample_mask` packed and shifted the same way (ref §7.4 `_packed_draft_loss`)."""
+    sample_mask` packed and shifted the same way (ref §7.4 `_packed_draft_loss`). Under
+    context parallelism over this rank's slots (the shift crossing ranks), summed over the
+    CP ranks."""
     require_keys(data, ("token_mask", "sample_mask"), "DraftLossWrapper (packed)")
     layout = layout.on(next_token_logits.device)
     student = layout.slots(student_logits, "student_logits")
     teacher = map_teacher_logits_to_draft_vocab(
-        layout.slots(next_token_logits, "next_token_logits").detach(), draft_vocab,
+        layout.next_rows(layout.slots(next_token_logits, "next_token_logits")), draft_vocab,
         vocab_parallel_rank, vocab_parallel_group,
     )
     data = layout.pad_data(data)
-    mask = layout.pack(data["token_mask"] * data["sample_mask"][:, None])
-    return draft_loss_fn(
-        teacher_logits=layout.roll(teacher)[None],
+    mask = layout.local(layout.roll(layout.pack(data["token_mask"] * data["sample_mask"][:, None])))
+    draft = draft_loss_fn(
+        teacher_logits=teacher[None],
         student_logits=student[None],
-        token_mask=layout.roll(mask)[None],
+        token_mask=mask[None],
         data={"sample_mask": mask.new_ones(1)},
         global_valid_seqs=global_valid_seqs,
         global_valid_toks=global_valid_toks,
     )
+    return sum_context_parallel(draft, layout.shards.group if layout.shards is not None else None)
 
 
 def with_draft_loss(

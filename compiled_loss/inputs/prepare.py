@@ -8,6 +8,7 @@ before the loss); top-k / top-p filtering is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,8 @@ import torch
 from compiled_loss.interfaces import LossInputType
 from compiled_loss.losses.common import require_keys
 from compiled_loss.packing import CpuIntTuple, PackedLayout, roll_within_segments, row_width
-from compiled_loss.parallel import require_single_process
+from compiled_loss.packing.context import ContextShards
+from compiled_loss.parallel import group_rank, group_size
 from compiled_loss.vocab import (
     DraftVocab,
     TrainingSamplingParams,
@@ -32,26 +34,70 @@ from compiled_loss.vocab import (
 Tensor = torch.Tensor
 
 
-def _check_groups(vocab_parallel_group, context_parallel_group) -> None:
-    require_single_process(vocab_parallel_group, "vocab_parallel_group")
-    require_single_process(context_parallel_group, "context_parallel_group")
-
-
-def _flat_rows(logits: Tensor, width: int) -> Tensor:
-    """`[B, W, V]` → `[B*width, V]` rows (a view, with no autograd copy, when `W == width`)."""
-    if logits.shape[1] < width:
+def _check_rank(vocab_parallel_rank: int | None, vocab_parallel_group: Any) -> None:
+    """The seed signatures pass the rank beside the group; it must be the group's."""
+    if vocab_parallel_rank is not None and vocab_parallel_rank != group_rank(vocab_parallel_group):
         raise ValueError(
-            f"logits must cover the {width} positions of input_ids, got shape {tuple(logits.shape)}"
+            f"vocab_parallel_rank={vocab_parallel_rank} is not this process's rank "
+            f"{group_rank(vocab_parallel_group)} in vocab_parallel_group"
         )
-    if logits.shape[1] > width:
-        logits = logits[:, :width]
-    return logits.reshape(-1, logits.shape[-1])
 
 
-def _threshold(rows: Tensor, sampling_params: TrainingSamplingParams | None) -> Tensor | None:
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Unpacked `[B, S, ...]` positions as flat rows, and this rank's share of them under
+    context parallelism: each row padded to `S_local · cp` and load-balanced (ref §8.10)."""
+
+    rows: int
+    width: int
+    shards: ContextShards | None
+
+    @staticmethod
+    def of(logits: Tensor, width: int, context_parallel_group: Any) -> _Rows:
+        cp = group_size(context_parallel_group)
+        if cp == 1:
+            if logits.shape[1] < width:
+                raise ValueError(
+                    f"logits must cover the {width} positions of input_ids, got shape {tuple(logits.shape)}"
+                )
+            return _Rows(logits.shape[0], width, None)
+        padded = logits.shape[1] * cp
+        if padded < width:
+            raise ValueError(
+                f"logits hold {logits.shape[1]} positions per context-parallel rank; {cp} ranks cover {padded}, "
+                f"fewer than the {width} positions of input_ids"
+            )
+        shards = ContextShards.of_rows(logits.shape[0], padded, context_parallel_group, logits.device)
+        return _Rows(logits.shape[0], width, shards)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """`[B, W, V]` logits → this rank's `[N, V]` rows (a view when W == S)."""
+        if self.shards is None and x.shape[1] > self.width:
+            x = x[:, : self.width]
+        return x.reshape(-1, x.shape[-1])
+
+    def local(self, x: Tensor) -> Tensor:
+        """A `[B, S, ...]` per-position tensor → this rank's `[N, ...]` entries."""
+        if self.shards is None:
+            return x.reshape((-1,) + tuple(x.shape[2:]))
+        padded = self.shards.local_to_global.shape[0] * self.shards.size // self.rows
+        pad = [0, 0] * (x.dim() - 2) + [0, padded - self.width]
+        return self.shards.local(torch.nn.functional.pad(x, pad).reshape((-1,) + tuple(x.shape[2:])))
+
+    def full(self, y: Tensor) -> Tensor:
+        """This rank's `[N, ...]` results → every position's `[B, S, ...]`."""
+        if self.shards is None:
+            return y.reshape((self.rows, self.width) + tuple(y.shape[1:]))
+        y = self.shards.gather(y)
+        return y.reshape((self.rows, -1) + tuple(y.shape[1:]))[:, : self.width]
+
+
+def _threshold(
+    rows: Tensor, sampling_params: TrainingSamplingParams | None, group: Any = None
+) -> Tensor | None:
     if not need_top_k_or_top_p_filtering(sampling_params):
         return None
-    return sampling_threshold(rows, sampling_params.top_k, sampling_params.top_p)
+    return sampling_threshold(rows, sampling_params.top_k, sampling_params.top_p, group=group)
 
 
 def get_next_token_logprobs_from_logits(
@@ -64,13 +110,20 @@ def get_next_token_logprobs_from_logits(
     sampling_params: TrainingSamplingParams | None = None,
     chunk_size: int | None = None,
 ) -> Tensor:
-    """`[B, S-1]` fp32: entry t = log p(input_ids[t+1] | prefix ≤ t) (ref §8.10)."""
-    _check_groups(vocab_parallel_group, context_parallel_group)
+    """`[B, S-1]` fp32: entry t = log p(input_ids[t+1] | prefix ≤ t) (ref §8.10).
+
+    `next_token_logits` is `[B, S, V]`, or `[B, S_pad / cp, V / tp]` under context / tensor
+    parallelism (each row load-balanced over the CP ranks, the vocabulary sharded over the
+    TP ranks); the result is every position's, on every rank.
+    """
+    _check_rank(vocab_parallel_rank, vocab_parallel_group)
     rows, width = input_ids.shape
-    flat = _flat_rows(next_token_logits, width)
-    targets = torch.roll(input_ids, -1, 1).reshape(-1)  # last column wraps; dropped below
-    lp = token_logprobs(flat, targets, threshold=_threshold(flat, sampling_params), chunk_size=chunk_size)
-    return lp.reshape(rows, width)[:, :-1]
+    view = _Rows.of(next_token_logits, width, context_parallel_group)
+    flat = view.logits(next_token_logits)
+    targets = view.local(torch.roll(input_ids, -1, 1))  # last column wraps; dropped below
+    threshold = _threshold(flat, sampling_params, vocab_parallel_group)
+    lp = token_logprobs(flat, targets, threshold=threshold, chunk_size=chunk_size, group=vocab_parallel_group)
+    return view.full(lp)[:, :-1]
 
 
 def _with_filter_handling(
@@ -101,32 +154,36 @@ def get_distillation_topk_logprobs_from_logits(
     vocab_parallel_group: Any = None,
     context_parallel_group: Any = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Student / teacher top-k log-probs `[B, S-1, k]` and `H_all = Σ p log p` (ref §8.9)."""
-    _check_groups(vocab_parallel_group, context_parallel_group)
+    """Student / teacher top-k log-probs `[B, S-1, k]` and `H_all = Σ p log p` (ref §8.9);
+    parallel layouts as in `get_next_token_logprobs_from_logits`, indices are global ids."""
+    _check_rank(vocab_parallel_rank, vocab_parallel_group)
     k = teacher_topk_indices.shape[-1]
     if k <= 0:
         raise ValueError(f"topk must be positive, got k={k}")
-    rows, width = teacher_topk_indices.shape[:2]
-    flat = _flat_rows(student_logits, width)
-    index = teacher_topk_indices.to(device=flat.device, dtype=torch.long).reshape(-1, k)
-    student, entropy = _student_topk(flat, index, zero_outside_topk, calculate_entropy)
-    student = student.reshape(rows, width, k)
+    width = teacher_topk_indices.shape[1]
+    view = _Rows.of(student_logits, width, context_parallel_group)
+    flat = view.logits(student_logits)
+    index = view.local(teacher_topk_indices.to(device=flat.device, dtype=torch.long))
+    student, entropy = _student_topk(flat, index, zero_outside_topk, calculate_entropy, vocab_parallel_group)
+    student = view.full(student)
     teacher = torch.log_softmax(teacher_topk_logits.to(device=student.device, dtype=student.dtype), -1)
-    h_all = None if entropy is None else entropy.reshape(rows, width)[:, :-1]
+    h_all = None if entropy is None else view.full(entropy)[:, :-1]
     return student[:, :-1], teacher[:, :-1], h_all
 
 
 def _student_topk(
-    rows: Tensor, index: Tensor, zero_outside_topk: bool, calculate_entropy: bool
+    rows: Tensor, index: Tensor, zero_outside_topk: bool, calculate_entropy: bool, group: Any = None
 ) -> tuple[Tensor, Tensor | None]:
     """`[N, k]` student values at teacher indices: full-vocab log-probs (zero_outside_topk)
     or log-probs renormalised over the k gathered logits; plus `Σ p log p` if asked."""
     if zero_outside_topk:
-        stats = vocab_reduce(rows, index, entropy=calculate_entropy)
+        stats = vocab_reduce(rows, index, entropy=calculate_entropy, group=group)
         return stats.picked - stats.lse[:, None], stats.negent if calculate_entropy else None
-    gathered = rows.gather(-1, index)  # renormalised over the k columns, by the same primitive
-    stats = vocab_reduce(gathered, torch.arange(index.shape[-1], device=index.device).expand_as(index))
-    return stats.picked - stats.lse[:, None], None
+    # the k logits (from whichever vocabulary shard holds them), renormalised over the k by
+    # the same primitive, so rows no loss reads get exactly zero gradient
+    picked = rows.gather(-1, index) if group_size(group) == 1 else vocab_reduce(rows, index, group=group).picked
+    k_way = vocab_reduce(picked, torch.arange(index.shape[-1], device=index.device).expand_as(index))
+    return k_way.picked - k_way.lse[:, None], None
 
 
 def _draft_loss_input(
@@ -135,20 +192,25 @@ def _draft_loss_input(
     d2t: Tensor | DraftVocab | None,
     vocab_parallel_rank: int | None,
     vocab_parallel_group: Any,
+    context_parallel_group: Any,
 ) -> dict[str, Tensor]:
     """Teacher = policy logits shifted left by one (last slot zero), mapped to the draft
-    vocabulary; token mask shifted the same way (ref §5.1 DRAFT)."""
+    vocabulary; token mask shifted the same way (ref §5.1 DRAFT). Under context
+    parallelism the shift crosses ranks (ref §8.14) and the mask is this rank's share."""
     require_keys(data, ("token_mask", "student_logits"), "prepare_loss_input (DRAFT)")
-    teacher = map_teacher_logits_to_draft_vocab(
-        logits.detach(), d2t, vocab_parallel_rank, vocab_parallel_group
-    )
-    last = torch.zeros(teacher.shape[1], dtype=torch.bool, device=teacher.device)
+    token_mask = data["token_mask"]
+    last = torch.zeros(token_mask.shape[1], dtype=torch.bool, device=token_mask.device)
     last[-1] = True
-    return {
-        "teacher_logits": roll_within_segments(teacher, last, 1),
-        "student_logits": data["student_logits"],
-        "token_mask": roll_within_segments(data["token_mask"], last.to(data["token_mask"].device), 1),
-    }
+    mask = roll_within_segments(token_mask, last, 1)
+    view = _Rows.of(logits, token_mask.shape[1], context_parallel_group)
+    if view.shards is None:
+        teacher = roll_within_segments(logits.detach(), last.to(logits.device), 1)
+    else:
+        rows, local_width = logits.shape[:2]
+        teacher = view.shards.next_rows(view.logits(logits)).reshape(logits.shape)
+        mask = view.local(mask).reshape(rows, local_width)
+    teacher = map_teacher_logits_to_draft_vocab(teacher, d2t, vocab_parallel_rank, vocab_parallel_group)
+    return {"teacher_logits": teacher, "student_logits": data["student_logits"], "token_mask": mask}
 
 
 def prepare_loss_input(
@@ -168,15 +230,21 @@ def prepare_loss_input(
     added under top-k/top-p when the loss has a reference KL). `d2t` (DRAFT inputs): pass
     a `DraftVocab` to skip the per-call check of a raw map.
     """
-    _check_groups(vocab_parallel_group, context_parallel_group)
+    _check_rank(vocab_parallel_rank, vocab_parallel_group)
     check_chunk_size(chunk_size)
     input_type = loss_fn.input_type
     if input_type == LossInputType.LOGIT:
+        if group_size(context_parallel_group) > 1:
+            view = _Rows.of(logits, row_width(data), context_parallel_group)
+            logits = view.full(view.logits(logits))
         return {"logits": logits}, dict(data)
     if input_type == LossInputType.LOGPROB:
         require_keys(data, ("input_ids", "token_mask", "sample_mask"), "prepare_loss_input")
         width = data["input_ids"].shape[1]
         if getattr(loss_fn, "use_fused_linear_logprobs", False):
+            if group_size(context_parallel_group) > 1:
+                view = _Rows.of(logits[..., None], width, context_parallel_group)
+                logits = view.full(view.logits(logits[..., None]))[..., 0]
             return {"next_token_logprobs": logits.float()[:, : width - 1]}, dict(data)
 
         def logprobs(params, chunk):
@@ -204,7 +272,9 @@ def prepare_loss_input(
             "H_all": h_all,
         }, dict(data)
     if input_type == LossInputType.DRAFT:
-        return _draft_loss_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group), dict(data)
+        inputs = _draft_loss_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group,
+                                   context_parallel_group)
+        return inputs, dict(data)
     if input_type in (LossInputType.OPD_FULL, LossInputType.DISTILLATION_CROSS_TOKENIZER):
         raise NotImplementedError(
             f"prepare_loss_input: compiled_loss prepares no {input_type.name} inputs; supported input types: "
@@ -237,26 +307,29 @@ def prepare_packed_loss_input(
     positions past a sequence's last prediction (`t >= L_i - 1`) are left as computed;
     the packing wrappers zero them.
     """
-    _check_groups(vocab_parallel_group, context_parallel_group)
+    _check_rank(vocab_parallel_rank, vocab_parallel_group)
     check_chunk_size(chunk_size)
     if layout is None:
         if cu_seqlens_q is None:
             raise ValueError("prepare_packed_loss_input needs cu_seqlens_q or a layout")
-        layout = PackedLayout.build(cu_seqlens_q, cu_seqlens_q_padded, device=logits.device)
+        layout = PackedLayout.build(cu_seqlens_q, cu_seqlens_q_padded, device=logits.device,
+                                    context_parallel_group=context_parallel_group)
     packed = layout.slots(logits)
     width = row_width(data)
     input_type = loss_fn.input_type
+    tp = vocab_parallel_group
     if input_type == LossInputType.LOGIT:
-        return {"logits": layout.unpack(packed, width)}, dict(data)
+        return {"logits": layout.unpack(layout.gather(packed), width)}, dict(data)
     if input_type == LossInputType.LOGPROB:
         require_keys(data, ("input_ids", "token_mask", "sample_mask"), "prepare_packed_loss_input")
         if getattr(loss_fn, "use_fused_linear_logprobs", False):
-            return {"next_token_logprobs": layout.unpack(packed.float(), width)[:, :-1]}, dict(data)
-        targets = layout.roll(layout.pack(data["input_ids"]))
+            return {"next_token_logprobs": layout.unpack(layout.gather(packed.float()), width)[:, :-1]}, dict(data)
+        targets = layout.local(layout.roll(layout.pack(data["input_ids"])))
 
         def logprobs(params, chunk):
-            lp = token_logprobs(packed, targets, threshold=_threshold(packed, params), chunk_size=chunk)
-            return layout.unpack(lp, width)[:, :-1]
+            threshold = _threshold(packed, params, tp)
+            lp = token_logprobs(packed, targets, threshold=threshold, chunk_size=chunk, group=tp)
+            return layout.unpack(layout.gather(lp), width)[:, :-1]
 
         lp, data = _with_filter_handling(
             logprobs(sampling_params, chunk_size), lambda: logprobs(None, None), data,
@@ -271,11 +344,11 @@ def prepare_packed_loss_input(
             raise ValueError(f"topk must be positive, got k={k}")
         zero_outside = loss_fn.zero_outside_topk
         with_entropy = zero_outside and loss_fn.kl_type != "forward"
-        student, entropy = _student_topk(
-            packed, layout.pack(indices.long()), zero_outside, with_entropy
-        )
+        student, entropy = _student_topk(packed, layout.local(layout.pack(indices.long())), zero_outside,
+                                         with_entropy, tp)
+        student = layout.gather(student)
         teacher = torch.log_softmax(data["teacher_topk_logits"].to(student.dtype), -1)
-        h_all = None if entropy is None else layout.unpack(entropy, width)[:, :-1]
+        h_all = None if entropy is None else layout.unpack(layout.gather(entropy), width)[:, :-1]
         return {
             "student_topk_logprobs": layout.unpack(student, width)[:, :-1],
             "teacher_topk_logprobs": teacher[:, :-1],

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from compiled_loss.parallel import require_single_process
+from compiled_loss.packing.context import ContextShards
+from compiled_loss.parallel import group_size
 
 Tensor = torch.Tensor
 
@@ -67,9 +68,9 @@ def reconstruct_opd_full_teacher_logits(
     """Turn the canonical `[B, S, D]` teacher payload (hidden states or full logits) into
     teacher logits `[B, S_local, V_local]` aligned with `student_logits` (ref §6.6).
 
-    Single process: a context-parallel group must have world size 1.
+    Under context parallelism the payload is padded to `S_local · cp` and this rank's
+    load-balanced share of the positions is kept (ref §6.6).
     """
-    require_single_process(context_parallel_group, "context_parallel_group")
     _, seq, width = payload.shape
     local_seq, local_vocab = student_logits.shape[1], student_logits.shape[-1]
     weights = teacher_output_layer_weight_by_index
@@ -104,12 +105,17 @@ def reconstruct_opd_full_teacher_logits(
         raise ValueError(
             f"teacher_payload must be 'hidden_states' or 'logits', got {teacher_payload!r}"
         )
-    pad = local_seq - seq
+    cp = group_size(context_parallel_group)
+    pad = local_seq * cp - seq
     if pad < 0:
         raise ValueError(
-            f"teacher payload has {seq} positions, more than the student's {local_seq}"
+            f"teacher payload has {seq} positions, more than the student's {local_seq} × {cp} context ranks"
         )
     payload = torch.nn.functional.pad(payload, (0, 0, 0, pad)).contiguous().to(student_logits.device)
+    if cp > 1:
+        rows = payload.shape[0]
+        shards = ContextShards.of_rows(rows, local_seq * cp, context_parallel_group, payload.device)
+        payload = shards.local(payload.flatten(0, 1)).reshape(rows, local_seq, -1)
     if teacher_payload == "hidden_states":
         if teacher_index is not None:
             payload = project_hidden_states_per_teacher(

@@ -11,7 +11,6 @@ import torch
 
 from compiled_loss.interfaces import LossInputType, LossType
 from compiled_loss.losses.common import require_keys, require_shape
-from compiled_loss.parallel import require_single_process
 from compiled_loss.vocab import check_chunk_size, vocab_reduce
 
 Tensor = torch.Tensor
@@ -47,9 +46,11 @@ class DraftLossStats:
 
 
 def soft_cross_entropy_sum(
-    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, token_chunk_size: int | None
+    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, token_chunk_size: int | None,
+    vocab_parallel_group: Any = None,
 ) -> Tensor:
-    """`Σ_t mask_t · H(softmax(teacher_t), log_softmax(student_t))` over `[..., V]` rows.
+    """`Σ_t mask_t · H(softmax(teacher_t), log_softmax(student_t))` over `[..., V]` rows
+    (`[..., V / tp]` vocabulary shards with a tensor-parallel group).
 
     The teacher is detached; the gradient w.r.t. the student is `(q - p)·mask` per row.
     """
@@ -58,6 +59,7 @@ def soft_cross_entropy_sum(
         student_logits.reshape(-1, vocab),
         teacher=teacher_logits.reshape(-1, vocab),
         chunk_size=token_chunk_size,
+        group=vocab_parallel_group,
     )
     ce = stats.lse - stats.cross
     m = mask.reshape(-1).to(ce.dtype)
@@ -79,7 +81,6 @@ class DraftCrossEntropyLossFn:
     input_type = LossInputType.DRAFT
 
     def __post_init__(self) -> None:
-        require_single_process(self.vocab_parallel_group, "vocab_parallel_group")
         check_chunk_size(self.token_chunk_size, "token_chunk_size")
 
     def loss_stats(
@@ -99,7 +100,7 @@ class DraftCrossEntropyLossFn:
         require_keys(data, ("sample_mask",), who)
         mask = token_mask * data["sample_mask"].reshape((-1,) + (1,) * (token_mask.dim() - 1))
         numerator = soft_cross_entropy_sum(
-            student_logits, teacher_logits, mask, self.token_chunk_size
+            student_logits, teacher_logits, mask, self.token_chunk_size, self.vocab_parallel_group
         )
         one = numerator.new_ones(1)
         return DraftLossStats(numerator.reshape(1), mask.sum().to(one.dtype).reshape(1), one)

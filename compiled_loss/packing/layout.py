@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from compiled_loss.packing.boundaries import check_cu_seqlens
+from compiled_loss.packing.context import ContextShards
 from compiled_loss.packing.transforms import pack_source_index, roll_within_segments
+from compiled_loss.parallel import group_size
 
 Tensor = torch.Tensor
 
@@ -133,6 +136,10 @@ class PackedLayout:
     The row width `S` is not part of the layout: it is read from the data's static
     shape, and the `min(L_i, S)` clamp (ref §5.2) happens in traced code.
     `rows` (the true B) and `grid` are read only by the host-side `pad_data`.
+
+    With a context-parallel group (`shards`), the per-slot tensors still describe the
+    whole packing, the logits hold this rank's `T_b / cp` slots, and `local` / `gather` /
+    `next_rows` move per-slot tensors between the two (`ContextShards`).
     """
 
     num_rows: int
@@ -144,6 +151,7 @@ class PackedLayout:
     row_len: Tensor
     rows: int
     grid: BucketGrid
+    shards: ContextShards | None = None
 
     @staticmethod
     def build(
@@ -152,12 +160,16 @@ class PackedLayout:
         *,
         grid: BucketGrid = BucketGrid(),
         device: torch.device | str | None = None,
+        context_parallel_group: Any = None,
     ) -> PackedLayout:
-        """Validate the boundaries and build the bucketed index tensors (host side)."""
+        """Validate the boundaries and build the bucketed index tensors (host side). With a
+        context-parallel group of size cp, every padded length must be a multiple of 2·cp and
+        the bucketed length is rounded up to a multiple of cp."""
         cu, cup = check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
         n_seq, total = len(cu) - 1, cup[-1]
+        cp = group_size(context_parallel_group)
         num_rows = round_to_bucket(n_seq, grid.rows, grid.per_octave)
-        tokens = round_to_bucket(total, grid.tokens, grid.per_octave)
+        tokens = -(-round_to_bucket(total, grid.tokens, grid.per_octave) // cp) * cp
         row, pos = pack_source_index(cup)
         tail = tokens - total
         ends = torch.tensor(cup[1:], dtype=torch.long) - 1
@@ -172,11 +184,16 @@ class PackedLayout:
             row_start=torch.tensor(list(cup[:-1]) + [0] * pad_rows, dtype=torch.long),
             row_len=torch.tensor(lengths + [0] * pad_rows, dtype=torch.long),
         )
+        shards = None
+        if cp > 1:
+            padded = [cup[i + 1] - cup[i] for i in range(n_seq)]
+            shards = ContextShards.of_segments(cup[:-1], padded, tokens, context_parallel_group).to(device or "cpu")
         return PackedLayout(
             num_rows=num_rows,
             tokens=tokens,
             rows=n_seq,
             grid=grid,
+            shards=shards,
             **{k: v.to(device) for k, v in tensors.items()},
         )
 
@@ -204,6 +221,7 @@ class PackedLayout:
         """The same layout with its index tensors on `device`."""
         return dataclasses.replace(
             self,
+            shards=None if self.shards is None else self.shards.to(device),
             **{f: getattr(self, f).to(device)
                for f in ("slot_row", "slot_col", "slot_last", "row_start", "row_len")},
         )
@@ -216,19 +234,38 @@ class PackedLayout:
 
     # ---- traceable -------------------------------------------------------------------
 
-    def slots(self, packed: Tensor, name: str = "logits") -> Tensor:
-        """A packed `[1, T, ...]` tensor (T >= T_b) as its `[T_b, ...]` slots.
+    @property
+    def local_tokens(self) -> int:
+        """Slots of this rank's packed logits: `T_b`, or `T_b / cp` under context parallelism."""
+        return self.tokens if self.shards is None else self.shards.local_slots
 
-        A view: squeezing and (only when T > T_b) slicing, so eager autograd allocates no
+    def slots(self, packed: Tensor, name: str = "logits") -> Tensor:
+        """A packed `[1, T, ...]` tensor (T >= the local bucketed length) as its slots.
+
+        A view: squeezing and (only when T is longer) slicing, so eager autograd allocates no
         logits-sized zero buffer for the backward of a select or a full-width slice.
         """
-        if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] < self.tokens:
+        n = self.local_tokens
+        if packed.dim() < 2 or packed.shape[0] != 1 or packed.shape[1] < n:
+            what = "the bucketed packed length" if self.shards is None else "this context-parallel rank's slots"
             raise ValueError(
-                f"{name} must be packed as [1, T, ...] with T >= {self.tokens} (the bucketed "
-                f"packed length), got shape {tuple(packed.shape)}"
+                f"{name} must be packed as [1, T, ...] with T >= {n} ({what}), got shape {tuple(packed.shape)}"
             )
         rows = packed.squeeze(0)
-        return rows if rows.shape[0] == self.tokens else rows[: self.tokens]
+        return rows if rows.shape[0] == n else rows[:n]
+
+    def local(self, x: Tensor) -> Tensor:
+        """This rank's slots of a per-slot `[T_b, ...]` tensor (all of them without CP)."""
+        return x if self.shards is None else self.shards.local(x)
+
+    def gather(self, y: Tensor) -> Tensor:
+        """Per-local-slot results → all `[T_b, ...]` slots (identity without CP)."""
+        return y if self.shards is None else self.shards.gather(y)
+
+    def next_rows(self, rows: Tensor) -> Tensor:
+        """Each local slot's successor within its segment (zero after a segment's last slot
+        and in the tail): a per-segment `roll(-1)`, across ranks under CP. No gradient."""
+        return self.roll(rows.detach()) if self.shards is None else self.shards.next_rows(rows)
 
     def valid_mask(self, width: int) -> Tensor:
         """`[B_b, width]` bool: column `j` of row `b` holds a real token (`j < L_b`)."""

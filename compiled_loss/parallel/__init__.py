@@ -1,6 +1,6 @@
 """The parallel room: process groups and the traceable collectives the vocab-parallel and
 context-parallel computations use (`collectives`)."""
 
-from compiled_loss.parallel.groups import group_rank, group_size, require_single_process
+from compiled_loss.parallel.groups import check_agreement, group_rank, group_size
 
-__all__ = ["group_rank", "group_size", "require_single_process"]
+__all__ = ["check_agreement", "group_rank", "group_size"]

@@ -50,18 +50,14 @@ def all_gather(x: Tensor, group) -> Tensor:
     """`[world, *x.shape]`: every rank's `x`, in rank order (no gradient)."""
     if not _active(group):
         return x.detach()[None]
-    size = group_size(group)
-    gathered = fc.wait_tensor(fc.all_gather_single(x.detach().contiguous(), 0, group))
-    return gathered.reshape((size,) + tuple(x.shape))
+    return fc.wait_tensor(fc.all_gather_single(x.detach()[None].contiguous(), 0, group))
 
 
 class _GatherContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.rank = group, group_rank(group)
-        size = group_size(group)
-        gathered = fc.wait_tensor(fc.all_gather_single(x.contiguous(), 0, group))
-        return gathered.reshape((size,) + tuple(x.shape))
+        return fc.wait_tensor(fc.all_gather_single(x[None].contiguous(), 0, group))
 
     @staticmethod
     def backward(ctx, grad):
@@ -72,3 +68,9 @@ class _GatherContextParallel(torch.autograd.Function):
 def gather_context_parallel(x: Tensor, group) -> Tensor:
     """`[cp, *x.shape]`: every CP rank's `x`; backward: SUM all-reduce, then this rank's block."""
     return _GatherContextParallel.apply(x, group) if _active(group) else x[None]
+
+
+def sum_context_parallel(x: Tensor, group) -> Tensor:
+    """The sum of every CP rank's partial `x`, under the same gradient convention as
+    `gather_context_parallel` (each rank's partial gets `cp ×` the gradient)."""
+    return gather_context_parallel(x, group).sum(0)

@@ -1,7 +1,9 @@
-"""Process-group checks. compiled_loss computes over one rank's full vocabulary and full
-sequence: a tensor- or context-parallel group must span a single rank."""
+"""Process groups: sizes and ranks (1 and 0 without a group or without torch.distributed),
+and the host-side agreement check that runs before shape-dependent collectives."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch.distributed as dist
 
@@ -20,11 +22,16 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
-def require_single_process(group: dist.ProcessGroup | None, name: str) -> None:
-    """Raise NotImplementedError for a process group spanning more than one rank."""
-    size = group_size(group)
-    if size > 1:
-        raise NotImplementedError(
-            f"{name} has world size {size}; compiled_loss computes over one rank's full vocabulary "
-            f"and sequence; pass {name}=None or a single-rank group"
-        )
+def check_agreement(what: str, value: Any, *groups: dist.ProcessGroup | None) -> None:
+    """Host side, before a collective whose shapes depend on `value`: every rank of each group
+    holds an equal `value`; otherwise a ValueError naming every rank's value, raised on every
+    rank (the values travel in one small all-gather, whatever their shapes)."""
+    for group in groups:
+        size = group_size(group)
+        if size == 1:
+            continue
+        values: list[Any] = [None] * size
+        dist.all_gather_object(values, value, group=group)
+        if any(v != values[0] for v in values):
+            listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"the ranks of a process group disagree on {what}: {listed}")

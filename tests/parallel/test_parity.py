@@ -1,0 +1,168 @@
+"""Every wrapper × loss type with real gloo groups at (tp, cp) ∈ {(2, 1), (1, 2), (2, 2)}:
+loss and every metric identical on all ranks and equal to the single-process result, the
+gradient w.r.t. each rank's logit shard equal to the matching slice of the single-process
+gradient — times cp, the reference's context-parallel convention (its all-gather backward
+sums over the CP ranks; its trainer divides the loss by cp) — and one clean graph per rank
+under torch.compile (a representative subset at (2, 2)). One spawn per configuration
+runs every case.
+
+`python tests/parallel/test_parity.py` prints the table of maximum errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import CASE_BY_NAME, boundaries, globals_for, make_batch, pack_logits
+from ranks import run_on_ranks
+
+from compiled_loss.loss_input import prepare_loss_input
+from compiled_loss.packing.context import ContextShards
+from compiled_loss.train import CompileRecorder
+from compiled_loss.wrapper import (
+    DraftLossWrapper,
+    SequencePackingFusionLossWrapper,
+    SequencePackingLossWrapper,
+    wrap_loss_fn_with_input_preparation,
+)
+
+LOSSES = ["grpo", "grpo_topk_topp", "gspo_tis", "nll", "dpo_sft", "distill_mixed_zero_outside",
+          "distill_reverse", "mse_value_clipped"]
+WRAPPERS = ["unpacked", "per_sequence", "fused", "draft_packed", "draft_unpacked"]
+LENGTHS, PADS, WIDTH = [6, 3, 8, 2], [2, 1, 0, 2], 8  # padded lengths 8, 4, 8, 4: multiples of 2·cp
+D2T = torch.tensor([0, 1, 1, 3, 5, 5, 6, 8])  # an 8-id draft vocabulary
+TOL = dict(rtol=1e-5, atol=1e-6)
+# compiled (aot_eager, fullgraph) at (tp, cp) = (2, 2): every wrapper with top-k/top-p GRPO, plus one case
+# of each other input type; every case runs eagerly at every (tp, cp)
+COMPILED = {("grpo_topk_topp", w) for w in WRAPPERS} | {
+    ("distill_mixed_zero_outside", "fused"), ("distill_reverse", "per_sequence"), ("mse_value_clipped", "unpacked"),
+    ("dpo_sft", "fused"), ("nll", "per_sequence")}
+
+
+def _groups(rank: int, world: int, tp: int, cp: int):
+    """(tp group, cp group) of this rank; rank = cp_rank · tp + tp_rank."""
+    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(world // tp)]
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+    return tp_groups[rank // tp] if tp > 1 else None, cp_groups[rank % tp] if cp > 1 else None
+
+
+def _batch(name: str):
+    case = CASE_BY_NAME[name]
+    data, logits = make_batch(case, LENGTHS, WIDTH, seed=11)
+    student = torch.randn(len(LENGTHS), WIDTH, len(D2T), generator=torch.Generator().manual_seed(12))
+    return case, data, logits.detach(), student
+
+
+def _wrapper(which, case, student, tp_group=None, cp_group=None):
+    """The wrapper under test, built on the host; `student` is this rank's draft logits."""
+    groups = dict(vocab_parallel_group=tp_group, context_parallel_group=cp_group)
+    cu, cup = boundaries(LENGTHS, PADS)
+    loss_fn = case.make_loss()
+    if which == "unpacked":
+        return functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
+                                 prepare_fn=case.prepare(packed=False), **groups)
+    if which in ("per_sequence", "fused"):
+        cls = SequencePackingFusionLossWrapper if which == "fused" else SequencePackingLossWrapper
+        return cls(loss_fn, case.prepare(packed=which == "fused"), cu, cup, **groups)
+    if which == "draft_unpacked":
+        policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
+                                   prepare_fn=case.prepare(packed=False), **groups)
+        return DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=D2T), None, 0.3, **groups)
+    policy = SequencePackingFusionLossWrapper(loss_fn, case.prepare(packed=True), cu, cup, **groups)
+    return DraftLossWrapper(policy, None, None, 0.3, cu_seqlens_q=cu, cu_seqlens_q_padded=cup, d2t=D2T,
+                            student_logits=student, **groups)
+
+
+def _apply(wrapper, logits, data, gs, gt):
+    return wrapper(logits, data, gs, gt)
+
+
+def _full_inputs(which, logits, student):
+    """Single-process logits / student in the wrapper's layout (packed or unpacked)."""
+    if which in ("per_sequence", "fused", "draft_packed"):
+        cu, cup = boundaries(LENGTHS, PADS)
+        return pack_logits(logits, cu, cup, cup[-1], seed=13).detach(), pack_logits(student, cu, cup, cup[-1], 14)
+    return logits, student
+
+
+def _shard(which, x, tp_rank, tp, cp_group):
+    """This rank's shard of full logits: its vocabulary slice, and its CP slots / positions."""
+    if x.shape[-1] > 1:
+        width = x.shape[-1] // tp
+        x = x[..., tp_rank * width : (tp_rank + 1) * width]
+    if cp_group is None:
+        return x
+    rows, length = x.shape[:2]
+    shards = ContextShards.of_rows(rows, length, cp_group) if which in ("unpacked", "draft_unpacked") else (
+        ContextShards.of_segments(boundaries(LENGTHS, PADS)[1][:-1], [n + p for n, p in zip(LENGTHS, PADS)],
+                                  length, cp_group))
+    return shards.local(x.flatten(0, 1)).reshape(rows, -1, x.shape[-1])
+
+
+def _on_ranks(rank: int, world: int, tp: int, cp: int):
+    tp_group, cp_group = _groups(rank, world, tp, cp)
+    tp_rank, cp_size = rank % tp, cp
+    report = []
+    for name in LOSSES:
+        for which in WRAPPERS:
+            if which.startswith("draft") and not name.startswith("grpo"):
+                continue  # the draft wrappers: with a policy-gradient loss
+            case, data, logits, student = _batch(name)
+            gs, gt = globals_for(data)
+            full, full_student = _full_inputs(which, logits, student)
+            full = full.requires_grad_()
+            data_full = {**data, "student_logits": full_student} if which == "draft_unpacked" else data
+            want, want_metrics = _apply(_wrapper(which, case, full_student), full, data_full, gs, gt)
+            (want_grad,) = torch.autograd.grad(want, full)
+            local = _shard(which, full.detach(), tp_rank, tp, cp_group).requires_grad_()
+            local_student = _shard(which, full_student, tp_rank, tp, cp_group)
+            want_local_grad = _shard(which, want_grad, tp_rank, tp, cp_group) * cp_size
+            wrapper = _wrapper(which, case, local_student, tp_group, cp_group)
+            data_local = {**data, "student_logits": local_student} if which == "draft_unpacked" else data
+            modes = ("eager", "compiled") if tp * cp == 4 and (name, which) in COMPILED else ("eager",)
+            for mode in modes:
+                torch._dynamo.reset()
+                recorder = CompileRecorder("aot_eager")
+                fn = _apply if mode == "eager" else recorder.compile(_apply, fullgraph=True)
+                got, metrics = fn(wrapper, local, data_local, gs, gt)
+                (grad,) = torch.autograd.grad(got, local)
+                label = f"{name}/{which}/{mode}"
+                errors = {"loss": (got - want).abs().item()}
+                try:
+                    torch.testing.assert_close(got, want, **TOL)
+                    for key in want_metrics:
+                        torch.testing.assert_close(metrics[key].float(), want_metrics[key].float(), **TOL,
+                                                   msg=lambda m, k=key: f"metric {k}: {m}")
+                    torch.testing.assert_close(grad, want_local_grad, rtol=1e-5, atol=1e-6)
+                except AssertionError as e:
+                    report.append(f"{label}: {str(e).splitlines()[0]} | {[ln for ln in str(e).splitlines() if 'metric' in ln][:1]}")
+                if mode == "compiled" and recorder.report.problems():
+                    report.append(f"{label}: {recorder.report.problems()}")
+                errors["grad"] = (grad - want_local_grad).abs().max().item() if grad.numel() else 0.0
+                errors["metrics"] = max(
+                    (0.0 if metrics[k] == want_metrics[k] else (metrics[k].float() - want_metrics[k].float()).abs().item()
+                     for k in want_metrics), default=0.0)
+                report.append((label, errors, got.item()))
+    return report
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "cp2", "tp2cp2"])
+def test_parallel_parity_table(tp, cp):
+    results = run_on_ranks(_on_ranks, tp, cp, world_size=tp * cp, timeout=600)
+    problems = [p for r in results for p in (r if isinstance(r, list) else [r]) if isinstance(p, str)]
+    assert problems == []
+    losses = [[p[2] for p in r if isinstance(p, tuple)] for r in results]
+    assert all(lo == losses[0] for lo in losses)  # identical on every rank
+
+
+if __name__ == "__main__":  # the parity table: max |error| of loss, metrics and gradients per (tp, cp)
+    for tp, cp in ((2, 1), (1, 2), (2, 2)):
+        rows = [p for r in run_on_ranks(_on_ranks, tp, cp, world_size=tp * cp, timeout=1200) for p in r]
+        problems = [p for p in rows if isinstance(p, str)]
+        loss = max(p[1]["loss"] for p in rows if isinstance(p, tuple))
+        grad = max(p[1]["grad"] for p in rows if isinstance(p, tuple))
+        metric = max(p[1]["metrics"] for p in rows if isinstance(p, tuple))
+        print(f"tp={tp} cp={cp}: {len(rows) - len(problems)} case-rank runs, max |loss err| {loss:.2e}, "
+              f"max |metric err| {metric:.2e}, max |grad err| {grad:.2e}, problems {problems}")
