@@ -16,6 +16,10 @@ had already compiled.
     compiled-loss-audit --full                            # every loss × packing × draft × dtype
     compiled-loss-audit loss=clipped_pg,dpo packing=fused dtype=bf16 batches=50
     compiled-loss-audit --target mypkg.losses:my_loss --inputs mypkg.losses:samples
+    torchrun --nproc-per-node 4 -m compiled_loss.audit.cli tp=2 cp=2 loss=clipped_pg packing=fused
+
+With `tp=`, `cp=`, `dp=` (under torchrun, their product ranks) every rank drives the
+compiled training step with its process groups, and rank 0 reports every rank's rows.
 
 `--target` audits any callable: the `--inputs` factory returns an iterable of
 `(args, kwargs)` samples; a bucket is the samples' tensor shapes and dtypes.
@@ -28,6 +32,7 @@ import dataclasses
 import importlib
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
@@ -136,11 +141,12 @@ def drive(name: str, fn: Callable[..., Any], samples: Iterable[tuple[Any, Any, A
 # ---- the project's own matrix ---------------------------------------------------------
 
 
-def _config(loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int):
+def _config(loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int, sizes=(1, 1, 1)):
     from compiled_loss.app import compose_config
 
     overrides = [f"loss={loss}", f"packing={packing}", f"draft={draft}", f"compile.backend={backend}",
-                 f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}", f"run.steps={steps}", *_SIZES]
+                 f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}", f"run.steps={steps}", *_SIZES,
+                 *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes))]
     return compose_config(*overrides)
 
 
@@ -209,37 +215,46 @@ def _wrapper_call(logits, data, loss_fn, prepare_fn, layout, fused: bool = False
     return loss, metrics
 
 
-def _audit_step(cfg, name: str, seed: int) -> Drive:
-    """Drive the compiled training step (model forward + loss + backward + optimizer)."""
+def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
+    """Drive the compiled training step (model forward + loss + backward + optimizer); with
+    parallel `groups` also the model, which then compiles apart (DDP runs around it)."""
     import copy
 
     from compiled_loss.config import loss_family
-    from compiled_loss.demo.data import rollout, sample_batch
+    from compiled_loss.demo.data import replica_rows, rollout, sample_batch
     from compiled_loss.demo.model import TinyLM
     from compiled_loss.train import build_train_step
+    from compiled_loss.train.parallel import ParallelGroups
 
+    groups = groups or ParallelGroups()
+    tp, _, dp = groups.sizes
     torch._dynamo.reset()
     torch.manual_seed(seed)
     rng = random.Random(seed)
     family = loss_family(cfg.loss)
-    model = TinyLM(cfg.model, value_head=family == "value")
+    model = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
     reference = copy.deepcopy(model).requires_grad_(False)
-    step = build_train_step(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    result = Drive(name, step.recorder.report)
+    step = build_train_step(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-3), groups)
+    recorders = [(name, step.recorder)] + ([(f"{name} model", step.model_recorder)] if step.model_recorder else [])
+    results = [Drive(label, recorder.report) for label, recorder in recorders]
     warm: list[float] = []
-    for _ in range(cfg.run.steps):
+    for i in range(cfg.run.steps):
         batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
-        batch = rollout(batch, family, policy=model, reference=reference, teacher=reference, topk=cfg.data.teacher_topk)
-        seen, before = set(step.buckets), step.compiles
+        batch = rollout(replica_rows(batch, dp, groups.dp_rank), family, policy=model, reference=reference,
+                        teacher=reference, topk=cfg.data.teacher_topk)
+        seen = set(step.buckets)
+        before = [r.report.compiles for r in results]
         outcome = step(batch)
         new = step.buckets - seen
-        if step.compiles > before + len(new):
-            result.recompiled_seen_buckets.append(f"step {len(warm)}: {sorted(step.buckets & seen)}")
-        if step.compiles == before:
+        for result, count in zip(results, before):
+            if result.report.compiles > count + len(new):
+                result.recompiled_seen_buckets.append(f"step {i}: {sorted(step.buckets & seen)}")
+        if [r.report.compiles for r in results] == before:
             warm.append(outcome.seconds)
-    result.buckets = len(step.buckets)
-    result.warm_ms = 1000 * statistics.median(warm) if warm else None
-    return result
+    for result in results:
+        result.buckets = len(step.buckets)
+        result.warm_ms = 1000 * statistics.median(warm) if warm else None
+    return results
 
 
 def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[tuple[str, ...]], int, int]:
@@ -263,11 +278,34 @@ def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int) -> list[
         found = [drive(f"{label} wrapper", _wrapper_call, samples, backend, dynamic=cfg.compile.dynamic,
                        after=lambda out: out[0].backward())]
         if steps:
-            found.append(_audit_step(cfg, f"{label} step", seed=len(drives)))
+            found += _audit_step(cfg, f"{label} step", seed=len(drives))
         for d in found:
             print(_line(d), flush=True)
         drives += found
     return drives
+
+
+def audit_distributed(rows: list[tuple[str, ...]], steps: int, sizes: tuple[int, int, int]) -> list[Drive]:
+    """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp)
+    groups; every rank returns every rank's drives (the step's loss graph, and the model,
+    which compiles apart around DDP), labelled with their rank."""
+    import torch.distributed as dist
+
+    from compiled_loss.config import ParallelConfig
+    from compiled_loss.train.parallel import init_parallel
+
+    tp, cp, dp = sizes
+    groups = init_parallel(ParallelConfig(tp=tp, cp=cp, dp=dp))
+    mine: list[Drive] = []
+    for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
+        label = f"{loss}/{packing}/{draft}/{dtype} tp{tp}cp{cp}dp{dp}"
+        if groups.rank == 0:
+            print(f"[{i}/{len(rows)}] {label} ({backend}, {tp * cp * dp} ranks)", flush=True)
+        cfg = _config(loss, packing, draft, dtype, backend, steps, sizes)
+        mine += _audit_step(cfg, f"rank {groups.rank} {label} step", seed=i, groups=groups)
+    gathered: list[Any] = [None] * groups.rank_count
+    dist.all_gather_object(gathered, mine)
+    return [d for drives in gathered for d in drives]
 
 
 # ---- user targets ---------------------------------------------------------------------
@@ -339,13 +377,13 @@ def markdown(drives: list[Drive]) -> str:
 
 def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
     allowed = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES}
+    scalars = ("batches", "steps", "backend", "tp", "cp", "dp")
     out: dict[str, list[str]] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in (*allowed, "batches", "steps", "backend"):
+        if not sep or key not in (*allowed, *scalars):
             raise SystemExit(
-                f"bad override {item!r}: expected key=value[,value...] with key in "
-                f"{sorted((*allowed, 'batches', 'steps', 'backend'))}")
+                f"bad override {item!r}: expected key=value[,value...] with key in {sorted((*allowed, *scalars))}")
         values = value.split(",")
         if key in allowed:
             bad = [v for v in values if v not in allowed[key]]
@@ -359,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compiled-loss-audit", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "overrides", nargs="*", help="loss=…, packing=…, draft=…, dtype=…, batches=N, steps=N, backend=…"
+        "overrides", nargs="*",
+        help="loss=…, packing=…, draft=…, dtype=…, batches=N, steps=N, backend=…; tp=N cp=N dp=N under torchrun",
     )
     parser.add_argument("--target", help="audit a callable instead: package.module:function")
     parser.add_argument("--inputs", help="with --target: package.module:factory returning (args, kwargs) samples")
@@ -368,21 +407,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="audit_out", help="directory for audit.json and audit.md")
     args = parser.parse_args(argv)
     opts = _parse_overrides(args.overrides)
-    print(HEADER, flush=True)
+    sizes = tuple(int(opts.get(k, ["1"])[0]) for k in ("tp", "cp", "dp"))
+    lead = int(os.environ.get("RANK", "0")) == 0
+    if lead:
+        print(HEADER, flush=True)
     if args.target:
         if not args.inputs:
             parser.error("--target needs --inputs")
         backend = opts.get("backend", ["inductor"])[0]
         drives = [audit_target(args.target, args.inputs, backend, fullgraph=not args.no_fullgraph)]
         print(_line(drives[0]))
+    elif sizes != (1, 1, 1):
+        rows, _, steps = configurations(opts, args.full)
+        drives = audit_distributed(rows, int(opts.get("steps", [steps])[0]), sizes)
+        if lead:
+            for d in drives:
+                print(_line(d), flush=True)
     else:
         rows, batches, steps = configurations(opts, args.full)
         drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]))
+    failing = [d for d in drives if d.failures()]
+    if not lead:
+        return 1 if failing else 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps([d.row() for d in drives], indent=2) + "\n")
     (out / "audit.md").write_text(markdown(drives))
-    failing = [d for d in drives if d.failures()]
     for d in failing:
         print(f"\nFAIL {d.name}:\n  " + "\n  ".join(d.failures()))
     print(f"\n{len(drives) - len(failing)}/{len(drives)} configurations clean; report in {out}/audit.md")

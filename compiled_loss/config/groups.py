@@ -76,7 +76,7 @@ class DraftConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
-    """Parallel sizes; the product must equal the world size."""
+    """Parallel sizes; their product must equal the number of processes (`torchrun`)."""
 
     tp: int = 1
     """Tensor (vocabulary) parallel size."""
@@ -87,14 +87,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _fields(self, "parallel")
-        for key, what in (("tp", "tensor"), ("cp", "context"), ("dp", "data")):
-            size = getattr(self, key)
-            require(size >= 1, f"parallel.{key} must be >= 1, got {size}")
-            require(
-                size == 1,
-                f"parallel.{key}={size}: compiled_loss runs single-process ({what} parallel size 1); "
-                f"use parallel.{key}=1",
-            )
+        _at_least(self, "parallel", 1, "tp", "cp", "dp")
 
 
 _COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

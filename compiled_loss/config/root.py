@@ -78,3 +78,18 @@ class Config:
             family != "distillation" or self.data.teacher_topk <= self.model.vocab_size,
             f"data.teacher_topk={self.data.teacher_topk} exceeds model.vocab_size={self.model.vocab_size}",
         )
+        tp, cp, dp = self.parallel.tp, self.parallel.cp, self.parallel.dp
+        require(
+            self.model.vocab_size % tp == 0,
+            f"model.vocab_size={self.model.vocab_size} must divide evenly over parallel.tp={tp} vocabulary shards",
+        )
+        require(
+            self.packing.pad_to_multiple % (2 * cp) == 0,
+            f"packing.pad_to_multiple={self.packing.pad_to_multiple} must be a multiple of 2 × parallel.cp = "
+            f"{2 * cp} (each sequence is cut into 2·cp context-parallel chunks)",
+        )
+        require(
+            self.data.prompts % dp == 0 and self.run.micro_batches * dp <= units,
+            f"data.prompts={self.data.prompts} must split evenly over parallel.dp={dp} replicas, each with at "
+            f"least run.micro_batches={self.run.micro_batches} {'pairs' if pairs else 'rows'}",
+        )

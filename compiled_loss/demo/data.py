@@ -95,11 +95,18 @@ def sample_batch(
     }
 
 
+def replica_rows(batch: dict[str, Tensor], replicas: int, replica: int) -> dict[str, Tensor]:
+    """A data-parallel replica's contiguous share of a global batch's rows (whole prompts'
+    groups when `data.prompts` divides by `replicas`)."""
+    rows = batch["input_ids"].shape[0] // replicas
+    return {k: v[replica * rows : (replica + 1) * rows] for k, v in batch.items()}
+
+
 @torch.no_grad()
 def _forward(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
     rows, width = input_ids.shape
     positions = torch.arange(width, device=input_ids.device).expand(rows, width)
-    return model(input_ids, positions, torch.zeros_like(input_ids)).float()
+    return model(input_ids, positions, torch.zeros_like(input_ids), full_vocab=True).float()
 
 
 def _token_logprobs(model: torch.nn.Module, input_ids: Tensor) -> Tensor:

@@ -3,6 +3,7 @@ training step, with a progress line per step and `metrics.jsonl` / `summary.json
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -12,9 +13,10 @@ from typing import Any
 import torch
 
 from compiled_loss.config import Config, loss_family
-from compiled_loss.demo.data import rollout, sample_batch
+from compiled_loss.demo.data import replica_rows, rollout, sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.train import build_train_step
+from compiled_loss.train.parallel import init_parallel
 
 # the metrics shown on the per-step line, per loss family (when present)
 _KEY_METRICS = {
@@ -32,31 +34,41 @@ def _progress(step: int, total: int, width: int = 30) -> str:
 
 
 def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
-    """Run `cfg.run.steps` steps; write metrics.jsonl and summary.json; return the summary."""
+    """Run `cfg.run.steps` steps; write metrics.jsonl and summary.json (rank 0; other ranks
+    write their compile report as `summary.rank<r>.json`); return the summary.
+
+    Under `torchrun` (`parallel.tp · cp · dp` processes) every rank holds the whole model —
+    the LM head returns this rank's vocabulary shard — and the step replicates it with
+    DistributedDataParallel; each data-parallel replica trains on its share of every
+    global batch."""
+    groups = init_parallel(cfg.parallel)
+    tp, _, dp = groups.sizes
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
     family = loss_family(cfg.loss)
-    policy = TinyLM(cfg.model, value_head=family == "value")
+    policy = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family == "distillation" else None
     o = cfg.optim
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-    step = build_train_step(cfg, policy, optimizer)
+    step = build_train_step(cfg, policy, optimizer, groups)
+    lead = groups.rank == 0
     output_dir.mkdir(parents=True, exist_ok=True)
     history: list[dict[str, Any]] = []
     tokens = slots = steady_tokens = 0
     train_seconds = steady_seconds = 0.0
-    with open(output_dir / "metrics.jsonl", "w") as log:
+    with open(output_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext() as log:
         for i in range(1, cfg.run.steps + 1):
             batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
-            batch = rollout(batch, family, policy=policy, reference=reference, teacher=teacher,
-                            topk=cfg.data.teacher_topk)
+            reward = float(batch["rewards"].mean())
+            batch = rollout(replica_rows(batch, dp, groups.dp_rank), family, policy=policy, reference=reference,
+                            teacher=teacher, topk=cfg.data.teacher_topk)
             result = step(batch)
             tokens, slots, train_seconds = tokens + result.tokens, slots + result.slots, train_seconds + result.seconds
             record = {
                 "step": i,
                 **result.metrics,
-                "reward": float(batch["rewards"].mean()),
+                "reward": reward,
                 "tokens": result.tokens,
                 "tokens_per_s": result.tokens / result.seconds,
                 "padding_fraction": 1 - result.tokens / result.slots,
@@ -66,6 +78,8 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
             if history and step.compiles == history[-1]["compiles"]:  # no compile in this step
                 steady_tokens, steady_seconds = steady_tokens + result.tokens, steady_seconds + result.seconds
             history.append(record)
+            if not lead:
+                continue
             log.write(json.dumps(record) + "\n")
             log.flush()
             if i % cfg.run.log_every == 0 or i == cfg.run.steps:
@@ -91,9 +105,12 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
         "compiles": step.compiles,
         "buckets": len(step.buckets),
         "compile_seconds": report.compile_seconds if report else 0.0,
-        "compile_problems": report.problems() if report else [],
+        "compile_problems": step.compile_problems(),
+        "parallel": {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "dp": cfg.parallel.dp, "rank": groups.rank},
         "output_dir": str(output_dir),
     }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    name = "summary.json" if lead else f"summary.rank{groups.rank}.json"
+    (output_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
+    if lead:
+        print(json.dumps(summary, indent=2))
     return summary

@@ -39,11 +39,14 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """`forward(input_ids, position_ids, segment_ids) -> logits [R, L, V]` (or values
     `[R, L, 1]` with `value_head=True`, a PPO critic); with `return_hidden=True` also the
-    hidden states after the embedding and after each block."""
+    hidden states after the embedding and after each block.
 
-    def __init__(self, cfg: ModelConfig, value_head: bool = False) -> None:
+    `vocab_shard=(r, n)`: the LM head returns vocabulary shard `r` of `n`, `[R, L, V / n]`
+    (tensor parallelism for the loss; the weights stay whole), unless `full_vocab=True`."""
+
+    def __init__(self, cfg: ModelConfig, value_head: bool = False, vocab_shard: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.vocab_shard = cfg, (0, 1) if value_head else vocab_shard
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
@@ -54,7 +57,8 @@ class TinyLM(nn.Module):
         self.to(getattr(torch, cfg.dtype))
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, segment_ids: Tensor, return_hidden: bool = False
+        self, input_ids: Tensor, position_ids: Tensor, segment_ids: Tensor, return_hidden: bool = False,
+        full_vocab: bool = False,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         length = input_ids.shape[1]
         index = torch.arange(length, device=input_ids.device)
@@ -64,5 +68,10 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x, mask[:, None])
             hidden.append(x)
-        logits = self.head(self.norm(x))
+        weight = self.head.weight
+        rank, shards = self.vocab_shard
+        if shards > 1 and not full_vocab:
+            rows = weight.shape[0] // shards
+            weight = weight[rank * rows : (rank + 1) * rows]
+        logits = F.linear(self.norm(x), weight)
         return (logits, hidden) if return_hidden else logits

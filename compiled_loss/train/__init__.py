@@ -7,8 +7,10 @@ compile recorder the step and the audit report with.
   frames that fell back to eager).
 """
 
-from compiled_loss.train.compile import compile_loss
+from compiled_loss.train.compile import CompiledModule, compile_loss
 from compiled_loss.train.recorder import CompileRecorder, CompileReport
 from compiled_loss.train.step import StepResult, TrainStep, build_train_step
 
-__all__ = ["CompileRecorder", "CompileReport", "StepResult", "TrainStep", "build_train_step", "compile_loss"]
+__all__ = [
+    "CompileRecorder", "CompileReport", "CompiledModule", "StepResult", "TrainStep", "build_train_step", "compile_loss",
+]

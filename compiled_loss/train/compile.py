@@ -26,3 +26,17 @@ def compile_loss(
             return compiled(*args, **kwargs)
 
     return run
+
+
+class CompiledModule(torch.nn.Module):
+    """`module` called through `compile_loss`, as a module: for wrappers whose own forward
+    does not trace — `DistributedDataParallel(CompiledModule(model))` runs DDP's bookkeeping
+    eagerly around one compiled graph of the model."""
+
+    def __init__(self, module: torch.nn.Module, **compile_kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._run = compile_loss(module, **compile_kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(*args, **kwargs)

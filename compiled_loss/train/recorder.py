@@ -160,7 +160,10 @@ class CompileRecorder:
         )
         return self._inner(gm, example_inputs)
 
-    def _collect_frames(self) -> None:
+    def _collect_frames(self, during_call: bool) -> None:
+        """Record the compilations Dynamo reported since the last look: frames compiled during
+        this recorder's own call (`during_call`), and the lazily compiled backward of frames
+        it already knows; anything else belongs to another compiled callable."""
         for m in get_compilation_metrics():
             if id(m) in self._seen_metrics:
                 continue
@@ -168,6 +171,8 @@ class CompileRecorder:
             known = [f for f in self.report.frames if f.compile_id == str(m.compile_id)]
             if known and not m.fail_type:  # the lazily compiled backward of a known frame
                 known[0].compile_seconds += m.entire_frame_compile_time_s or 0.0
+                continue
+            if not during_call:
                 continue
             fail_location = None
             if m.fail_type:
@@ -194,12 +199,13 @@ class CompileRecorder:
         compiled = torch.compile(fn, backend=self._backend, **compile_kwargs)
 
         def run(*args: Any, **kwargs: Any) -> Any:
+            self._collect_frames(during_call=False)
             start = time.perf_counter()
             try:
                 return compiled(*args, **kwargs)
             finally:
                 self.report.calls += 1
                 self.report.seconds += time.perf_counter() - start
-                self._collect_frames()
+                self._collect_frames(during_call=True)
 
         return run

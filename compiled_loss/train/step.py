@@ -1,13 +1,13 @@
-"""The compiled training step: `build_train_step(cfg, model, optimizer)`.
+"""The compiled training step: `build_train_step(cfg, model, optimizer, groups)`.
 
-Per global batch (host side): check the batch (`validate_batch`, unless
-`run.validate_inputs=false`; token ids against `model.vocab_size`), compute the global
-normalisers `global_valid_seqs` /
-`global_valid_toks`, split the rows into `run.micro_batches` micro-batches (keeping DPO
-pairs together), and for each build the bucketed layout (`PackedLayout`, or bucketed
-padding for `packing=none`) on the host. Then, per micro-batch, ONE compiled function runs
-the model forward and the loss wrapper; its backward accumulates gradients. Finally the
-optimizer steps and the metrics are combined through the registry (sums, min, max) and
+Per batch (host side): check the batch (`validate_batch`, unless `run.validate_inputs=false`;
+token ids against `model.vocab_size`), compute the global normalisers `global_valid_seqs` /
+`global_valid_toks` (summed over the data-parallel group), split the rows into
+`run.micro_batches` micro-batches (keeping DPO pairs together), and for each build the
+bucketed layout (`PackedLayout`, or bucketed padding for `packing=none`) on the host.
+Then, per micro-batch, ONE compiled function runs the model forward and the loss wrapper;
+its backward accumulates gradients. Finally the optimizer steps and the metrics are
+combined through the registry (sums, min, max; over the data-parallel group too) and
 converted to Python floats once.
 
 Use it with your own model: any `torch.nn.Module` whose
@@ -15,6 +15,14 @@ Use it with your own model: any `torch.nn.Module` whose
 segment — `[B, S]` inputs for `packing=none` (one segment per row), `[1, T]` for the
 packed modes (segment = packed sequence, positions restarting at 0 in each). Batches are
 dicts of `[B, S]` tensors with the loss's keys plus `input_lengths` `[B]`.
+
+Parallel runs (`groups`, see `compiled_loss.train.parallel`): the batch is this
+data-parallel replica's rows; the model returns every position's logits for this rank's
+vocabulary shard (`[..., V / tp]`) and the step keeps this context-parallel rank's
+positions. The step replicates the model over all ranks with `DistributedDataParallel`,
+whose averaged gradients the loss scale `tp · dp` turns into the single-process gradient;
+DDP's forward does not trace, so it runs eagerly around the compiled model
+(`CompiledModule`) and the loss compiles as a graph of its own.
 """
 
 from __future__ import annotations
@@ -37,33 +45,57 @@ from compiled_loss.packing import (
     sequence_packing_loss,
     wrap_loss_fn_with_input_preparation,
 )
-from compiled_loss.train.compile import compile_loss
+from compiled_loss.packing.context import ContextShards
+from compiled_loss.parallel import group_size
+from compiled_loss.train.compile import CompiledModule, compile_loss
+from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, combine_over
 from compiled_loss.train.recorder import CompileRecorder
 
 Tensor = torch.Tensor
 
 
-def _packed_forward_loss(model, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn, prepare_fn, fused, temperature):
-    """Model forward on the packed `[1, T_b]` micro-batch, then the packing loss wrapper."""
+def _packed_logits(model, layout: PackedLayout, data, *, temperature):
+    """Model forward on the packed `[1, T_b]` micro-batch (this TP rank's vocabulary shard),
+    and this CP rank's slots of it."""
     positions = torch.where(layout.slot_col < layout.tokens, layout.slot_col, 0)
     logits = model(layout.pack(data["input_ids"])[None], positions[None], layout.slot_row[None])
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = layout.local(logits[0])[None]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _packed_loss(logits, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn, prepare_fn, fused, tp, cp):
     return sequence_packing_loss(
-        logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, layout=layout, fused=fused
+        logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, layout=layout, fused=fused,
+        vocab_parallel_group=tp, context_parallel_group=cp,
     )
 
 
-def _padded_forward_loss(model, data, g_seqs, g_toks, *, loss_fn, prepare_fn, temperature):
-    """Model forward on the padded `[B_b, S_b]` micro-batch, then the unpacked loss."""
+def _padded_logits(model, data, *, temperature, cp):
+    """Model forward on the padded `[B_b, S_b]` micro-batch (rows padded to a multiple of
+    2·cp; this TP rank's vocabulary shard), and this CP rank's positions of it."""
     ids = data["input_ids"]
+    cp_size = group_size(cp)
+    ids = torch.nn.functional.pad(ids, (0, -ids.shape[1] % (2 * cp_size)))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     logits = model(ids, positions, torch.zeros_like(ids))
-    if temperature != 1.0:
-        logits = logits / temperature
+    if cp_size > 1:
+        rows, width = ids.shape
+        shards = ContextShards.of_rows(rows, width, cp, ids.device)
+        logits = shards.local(logits.flatten(0, 1)).reshape(rows, width // cp_size, -1)
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
     return wrap_loss_fn_with_input_preparation(
-        logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn
+        logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, vocab_parallel_group=tp,
+        context_parallel_group=cp,
     )
+
+
+def _model_and_loss(model, *inputs, logits_fn, loss_fn):
+    """The model forward and the loss of one micro-batch: one compiled graph."""
+    *layout_and_data, g_seqs, g_toks = inputs
+    return loss_fn(logits_fn(model, *layout_and_data), *inputs)
 
 
 def split_rows(rows: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -93,8 +125,15 @@ class StepResult:
 class TrainStep:
     """One optimizer step over a global batch; see the module docstring."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+    def __init__(
+        self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        groups: ParallelGroups = ParallelGroups(),
+    ) -> None:
+        self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
+        tp, cp, dp = groups.sizes
+        # DDP averages the replicas' gradients over all tp·cp·dp ranks; their sum, divided by
+        # cp (each CP rank's logit gradient is cp × its share, ref §10), is the gradient
+        self.loss_scale = tp * dp
         self.loss_fn = build_loss(cfg.loss)
         self.pairs = getattr(self.loss_fn, "rows_are_pairs", False)
         self.buckets: set[tuple[int, ...]] = set()
@@ -102,27 +141,42 @@ class TrainStep:
         self.grid = packing.grid()
         lp = cfg.logprob
         prepare_kwargs = dict(sampling_params=lp.sampling_params(), chunk_size=lp.chunk_size)
+        groups_kw = dict(tp=groups.tp, cp=groups.cp)
         if packing.mode == PackingMode.none:
-            fn: Callable[..., Any] = functools.partial(
-                _padded_forward_loss, loss_fn=self.loss_fn, temperature=lp.temperature,
-                prepare_fn=functools.partial(prepare_loss_input, **prepare_kwargs),
+            self._logits = functools.partial(_padded_logits, temperature=lp.temperature, cp=groups.cp)
+            loss: Callable[..., Any] = functools.partial(
+                _padded_loss, loss_fn=self.loss_fn, prepare_fn=functools.partial(prepare_loss_input, **prepare_kwargs),
+                **groups_kw,
             )
-        else:
-            fused = packing.mode == PackingMode.fused
+        else:  # per-sequence semantics under CP: each rank's slots, as SequencePackingLossWrapper does
+            fused = packing.mode == PackingMode.fused or cp > 1
             base = prepare_packed_loss_input if fused else prepare_loss_input
-            fn = functools.partial(
-                _packed_forward_loss, loss_fn=self.loss_fn, temperature=lp.temperature,
-                prepare_fn=functools.partial(base, **prepare_kwargs), fused=fused,
-            )
-        self.recorder: CompileRecorder | None = None
-        if cfg.compile.enabled:
-            self.recorder = CompileRecorder(cfg.compile.backend, "train step", cfg.compile.mode)
-            fn = compile_loss(fn, recorder=self.recorder, fullgraph=cfg.compile.fullgraph, dynamic=cfg.compile.dynamic)
-        self._forward_loss = fn
+            self._logits = functools.partial(_packed_logits, temperature=lp.temperature)
+            loss = functools.partial(_packed_loss, loss_fn=self.loss_fn,
+                                     prepare_fn=functools.partial(base, **prepare_kwargs), fused=fused, **groups_kw)
+        # Parallel runs replicate the model with DistributedDataParallel, whose forward does
+        # not trace: DDP runs eagerly around the compiled model, and the loss compiles alone
+        self._model_outside = groups.rank_count > 1
+        fn = loss if self._model_outside else functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss)
+        c = cfg.compile
+        self.recorder = CompileRecorder(c.backend, "train step", c.mode) if c.enabled else None
+        self.model_recorder = CompileRecorder(c.backend, "model", c.mode) if c.enabled and self._model_outside else None
+        if self.recorder is not None:
+            fn = compile_loss(fn, recorder=self.recorder, fullgraph=c.fullgraph, dynamic=c.dynamic)
+        if self._model_outside:
+            if self.model_recorder is not None:
+                model = CompiledModule(model, recorder=self.model_recorder, fullgraph=c.fullgraph, dynamic=c.dynamic)
+            self.model = torch.nn.parallel.DistributedDataParallel(model)
+        self._compiled = fn
 
     @property
     def compiles(self) -> int:
+        """Compiles of the step's graph (of the loss alone when the model is compiled apart)."""
         return self.recorder.report.compiles if self.recorder else 0
+
+    def compile_problems(self) -> list[str]:
+        """Graph breaks, in-graph host syncs and eager fallbacks of every compiled region."""
+        return [p for r in (self.recorder, self.model_recorder) if r is not None for p in r.report.problems()]
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -142,8 +196,10 @@ class TrainStep:
                 f"of rows ({len(lengths)})"
             )
         sample_mask = batch["sample_mask"]
-        g_seqs = sample_mask.sum()
-        g_toks = (batch["token_mask"][:, 1:] * sample_mask[:, None]).sum()
+        # the global normalisers: this replica's counts summed over the DP group (ref §1.3)
+        local_toks = (batch["token_mask"][:, 1:] * sample_mask[:, None]).sum()
+        counts = all_reduce_host(torch.stack([sample_mask.sum(), local_toks]), self.groups.dp)
+        g_seqs, g_toks = counts[0], counts[1]
         full_width = batch["input_ids"].shape[1]
         parts, slots = [], 0
         self.optimizer.zero_grad(set_to_none=True)
@@ -154,21 +210,23 @@ class TrainStep:
                 for k, v in batch.items()
             }
             loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, device)
-            loss.backward()
+            (loss * self.loss_scale).backward()
             parts.append(metrics)
             slots += micro_slots
         grad_norm = None
         if self.cfg.optim.grad_clip is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
-        combined = combine_metrics(parts)
-        combined["global_valid_seqs"] = g_seqs
-        combined["global_valid_toks"] = g_toks
+        combined = combine_metrics(parts)  # this replica's fragments; then every replica's
+        step_wide = {"global_valid_seqs": g_seqs, "global_valid_toks": g_toks}  # the same on every rank
         if grad_norm is not None:
-            combined["grad_norm"] = grad_norm
-        metrics = metrics_to_python(combined)
+            step_wide["grad_norm"] = grad_norm
+        values = metrics_to_python({**combined, **step_wide})
+        metrics = combine_over({k: values[k] for k in combined}, self.groups.dp)
+        metrics.update({k: values[k] for k in step_wide})
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        return StepResult(metrics, sum(lengths), slots, time.perf_counter() - start)
+        tokens, slots = (int(n) for n in all_reduce_host(torch.tensor([sum(lengths), slots]), self.groups.dp))
+        return StepResult(metrics, tokens, slots, time.perf_counter() - start)
 
     def _micro_step(self, micro, lengths, g_seqs, g_toks, device):
         rows = len(lengths)
@@ -177,14 +235,21 @@ class TrainStep:
             data = pad_to_bucket(micro, rows, num_rows, self.grid)
             shape = tuple(data["input_ids"].shape)
             self.buckets.add(shape)
-            return (*self._forward_loss(self.model, data, g_seqs, g_toks), shape[0] * shape[1])
+            return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks), shape[0] * shape[1])
         cu, cu_padded = packed_boundaries(lengths, self.cfg.packing.pad_to_multiple)
-        layout = PackedLayout.build(cu, cu_padded, grid=self.grid, device=device)
+        layout = PackedLayout.build(cu, cu_padded, grid=self.grid, device=device, context_parallel_group=self.groups.cp)
         data = layout.pad_data(micro)
         self.buckets.add((layout.tokens,) + tuple(data["input_ids"].shape))
-        return (*self._forward_loss(self.model, layout, data, g_seqs, g_toks), layout.tokens)
+        return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks), layout.tokens)
+
+    def _run(self, *inputs, g_seqs, g_toks):
+        if self._model_outside:
+            return self._compiled(self._logits(self.model, *inputs), *inputs, g_seqs, g_toks)
+        return self._compiled(self.model, *inputs, g_seqs, g_toks)
 
 
-def build_train_step(cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainStep:
+def build_train_step(
+    cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ParallelGroups = ParallelGroups()
+) -> TrainStep:
     """The compiled training step a config describes (see the module docstring)."""
-    return TrainStep(cfg, model, optimizer)
+    return TrainStep(cfg, model, optimizer, groups)

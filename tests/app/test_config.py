@@ -121,10 +121,18 @@ class TestStartupErrors(TestCase):
             """logprob.top_k=50 applies to log-prob losses only; loss=mse_value reads logit inputs""",
         )
 
-    def test_parallel_sizes_above_one(self):
+    def test_parallel_sizes_must_fit_the_model_and_packing(self):
         self.assertExpectedInline(
-            error("parallel.tp=2"),
-            """parallel.tp=2: compiled_loss runs single-process (tensor parallel size 1); use parallel.tp=1""",
+            error("parallel.tp=3"),
+            """model.vocab_size=2048 must divide evenly over parallel.tp=3 vocabulary shards""",
+        )
+        self.assertExpectedInline(
+            error("parallel.cp=8"),
+            """packing.pad_to_multiple=8 must be a multiple of 2 × parallel.cp = 16 (each sequence is cut into 2·cp context-parallel chunks)""",
+        )
+        self.assertExpectedInline(
+            error("parallel.dp=3"),
+            """data.prompts=8 must split evenly over parallel.dp=3 replicas, each with at least run.micro_batches=2 rows""",
         )
 
     def test_compile_backend(self):

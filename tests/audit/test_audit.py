@@ -60,3 +60,19 @@ def test_default_run_is_the_representative_subset():
     assert (len(full), batches, steps) == (len(LOSSES) * len(PACKINGS) * len(DTYPES), 200, 20)
     chosen, _, _ = configurations({"loss": ["dpo"], "backend": ["eager"]}, full=False)
     assert chosen == [("dpo", p, "none", d, "eager") for p in PACKINGS for d in DTYPES]
+
+
+def test_distributed_mode_reports_every_rank(tmp_path):
+    """`torchrun … compiled_loss.audit.cli tp=2`: every rank's training step, one row each."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "compiled_loss.audit.cli",
+         "tp=2", "loss=clipped_pg", "packing=fused", "dtype=fp32", "steps=2", "backend=eager", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "audit.json").read_text())
+    assert [r["name"].split(" ")[:2] for r in rows] == [["rank", "0"], ["rank", "0"], ["rank", "1"], ["rank", "1"]]
+    assert all(r["failures"] == [] and 1 <= r["compiles"] <= r["buckets"] for r in rows)
