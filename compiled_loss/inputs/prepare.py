@@ -49,7 +49,8 @@ class _Rows:
     context parallelism: each row padded to `S_local · cp` and load-balanced (ref §8.10)."""
 
     rows: int
-    width: int
+    width: int  # S
+    padded: int  # S_pad = S_local · cp (= S without CP)
     shards: ContextShards | None
 
     @staticmethod
@@ -60,7 +61,7 @@ class _Rows:
                 raise ValueError(
                     f"logits must cover the {width} positions of input_ids, got shape {tuple(logits.shape)}"
                 )
-            return _Rows(logits.shape[0], width, None)
+            return _Rows(logits.shape[0], width, width, None)
         padded = logits.shape[1] * cp
         if padded < width:
             raise ValueError(
@@ -68,7 +69,7 @@ class _Rows:
                 f"fewer than the {width} positions of input_ids"
             )
         shards = ContextShards.of_rows(logits.shape[0], padded, context_parallel_group, logits.device)
-        return _Rows(logits.shape[0], width, shards)
+        return _Rows(logits.shape[0], width, padded, shards)
 
     def logits(self, x: Tensor) -> Tensor:
         """`[B, W, V]` logits → this rank's `[N, V]` rows (a view when W == S)."""
@@ -80,8 +81,7 @@ class _Rows:
         """A `[B, S, ...]` per-position tensor → this rank's `[N, ...]` entries."""
         if self.shards is None:
             return x.reshape((-1,) + tuple(x.shape[2:]))
-        padded = self.shards.local_to_global.shape[0] * self.shards.size // self.rows
-        pad = [0, 0] * (x.dim() - 2) + [0, padded - self.width]
+        pad = [0, 0] * (x.dim() - 2) + [0, self.padded - self.width]
         return self.shards.local(torch.nn.functional.pad(x, pad).reshape((-1,) + tuple(x.shape[2:])))
 
     def full(self, y: Tensor) -> Tensor:
