@@ -95,6 +95,12 @@ def metrics_to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
 
     Call it outside compiled code. ±inf extrema sentinels are kept as they are.
     """
+    for key, value in metrics.items():
+        if not isinstance(value, (Tensor, int, float)):
+            raise ValueError(
+                f"metrics[{key!r}] is a {type(value).__name__}, not a number: take it out of the metrics before "
+                "converting them (a DraftStepState payload goes to its correct_grads)"
+            )
     tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
     for key in tensor_keys:
         if metrics[key].dim() != 0:

@@ -4,15 +4,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from compiled_loss.losses.common import require_keys
-from compiled_loss.losses.draft_ce import DraftCrossEntropyLossFn
+from compiled_loss.losses.draft_ce import DraftCrossEntropyLossFn, DraftLossStats
 from compiled_loss.packing import PackedLayout
-from compiled_loss.parallel.collectives import sum_context_parallel
+from compiled_loss.parallel.collectives import all_reduce_sum, sum_context_parallel
 from compiled_loss.vocab import DraftVocab, map_teacher_logits_to_draft_vocab
 
 Tensor = torch.Tensor
@@ -42,11 +43,53 @@ def draft_soft_ce(
         )
         return sum_context_parallel(draft, cp), {}
     stats = draft_loss_fn.loss_stats(data=draft_data, **loss_input)
-    numerator = sum_context_parallel(stats.normalized(torch.ones_like(stats.counts)), cp)
-    return numerator, {
-        "_draft_step_numerator": numerator.detach(),
-        "_draft_step_count": sum_context_parallel(stats.counts.sum(), cp).detach(),
-    }
+    stats = DraftLossStats(sum_context_parallel(stats.numerators, cp), sum_context_parallel(stats.counts, cp),
+                           stats.weights)
+    payload = DraftStepState.metric_payload(stats)
+    return stats.normalized(torch.ones_like(stats.counts)), {"_draft_step_payload": payload}
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftStepState:
+    """A deferred draft loss's raw statistics (ref §7.4 `defer_normalization`): detached
+    per-bin numerators, counts and weights. `DraftLossWrapper(defer_normalization=True)`
+    puts one under `metrics["_draft_step_payload"]`; `combine_metrics` sums them over the
+    micro-batches of a step (`+`), and `correct_grads` then renormalises the drafter's
+    gradients by its own token count."""
+
+    numerators: Tensor
+    counts: Tensor
+    weights: Tensor
+
+    @classmethod
+    def metric_payload(cls, stats: DraftLossStats) -> DraftStepState:
+        return cls(stats.numerators.detach(), stats.counts.detach().float(), stats.weights.detach().float())
+
+    def __add__(self, other: DraftStepState) -> DraftStepState:
+        if not isinstance(other, DraftStepState) or other.counts.shape != self.counts.shape:
+            raise ValueError(f"DraftStepState: can only add a DraftStepState of {tuple(self.counts.shape)} bins, "
+                             f"got {other!r}")
+        return DraftStepState(self.numerators + other.numerators, self.counts + other.counts, self.weights)
+
+    def draft_count(self, group: Any = None) -> Tensor:
+        """`Σ counts·weights`, the counts summed over `group` (the data- / context-parallel
+        ranks that share the drafter)."""
+        return (all_reduce_sum(self.counts, group) * self.weights).sum()
+
+    @torch.no_grad()
+    def correct_grads(self, parameters: Iterable[torch.nn.Parameter], policy_count: float | Tensor,
+                      group: Any = None) -> Tensor:
+        """Multiply the drafter's gradients by `policy_count / draft_count` (ref §7.4
+        `correct_main_grads`), where `policy_count` is the count the step's gradients are
+        already divided by (1 with a policy loss normalised by `global_valid_toks`, as
+        compiled_loss's are): the draft loss, which entered as a raw sum, becomes a mean
+        over its own tokens. Returns the factor; with no draft token it is 0."""
+        count = self.draft_count(group)
+        factor = torch.where(count > 0, torch.as_tensor(policy_count, dtype=torch.float32) / count.clamp(min=1e-8), 0.0)
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(factor.to(p.grad.dtype))
+        return factor
 
 
 def packed_draft_soft_ce(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 
 from compiled_loss.interfaces import LossInputType, LossType
 from compiled_loss.losses.common import require_keys, require_shape
-from compiled_loss.vocab import check_chunk_size, vocab_reduce
+from compiled_loss.parallel import check_agreement, group_size
+from compiled_loss.vocab import check_chunk_size, linear_vocab_reduce, vocab_reduce
 
 Tensor = torch.Tensor
 
@@ -45,25 +47,119 @@ class DraftLossStats:
         return (self.numerators * self.weights).sum() / ((counts * self.weights).sum() + 1e-8)
 
 
-def soft_cross_entropy_sum(
-    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, token_chunk_size: int | None,
-    vocab_parallel_group: Any = None,
-) -> Tensor:
-    """`Σ_t mask_t · H(softmax(teacher_t), log_softmax(student_t))` over `[..., V]` rows
-    (`[..., V / tp]` vocabulary shards with a tensor-parallel group).
+def _bins(mask: Tensor, bin_ids: Tensor | None, weights: Tensor | None, who: str) -> tuple[Tensor, Tensor]:
+    """`(bin_ids, weights)` checked against `mask`; by default one bin of weight 1."""
+    if weights is None:
+        weights = torch.ones(1, device=mask.device)
+    if weights.dim() != 1 or weights.numel() == 0:
+        raise ValueError(f"{who}: weights must be 1-D and non-empty, got shape {tuple(weights.shape)}")
+    n_bins = weights.numel()
+    if bin_ids is None:
+        if n_bins > 1:
+            raise ValueError(f"{who}: bin_ids is required with {n_bins} bins (weights of shape ({n_bins},))")
+        return torch.zeros(mask.shape, dtype=torch.long, device=mask.device), weights.float()
+    if bin_ids.dtype != torch.long or bin_ids.shape != mask.shape or bin_ids.device != mask.device:
+        raise ValueError(
+            f"{who}: bin_ids must be a long tensor of the mask's shape {tuple(mask.shape)} on {mask.device}, got "
+            f"{bin_ids.dtype} {tuple(bin_ids.shape)} on {bin_ids.device}"
+        )
+    if not torch.compiler.is_compiling() and bin_ids.numel() and not (
+        0 <= int(bin_ids.min()) and int(bin_ids.max()) < n_bins  # host
+    ):
+        raise ValueError(f"{who}: bin_ids must lie in [0, {n_bins}), got [{int(bin_ids.min())}, {int(bin_ids.max())}]")
+    return bin_ids, weights.float()
 
-    The teacher is detached; the gradient w.r.t. the student is `(q - p)·mask` per row.
-    """
+
+def _binned(ce: Tensor, mask: Tensor, bin_ids: Tensor, weights: Tensor) -> DraftLossStats:
+    """Per-bin `Σ mask·CE` and `Σ mask` (rows outside the mask contribute exactly 0)."""
+    m = mask.reshape(-1).float()
+    bins = bin_ids.reshape(-1)
+    zeros = torch.zeros(weights.shape, dtype=torch.float32, device=ce.device)
+    numerators = zeros.scatter_add(0, bins, torch.where(m > 0, ce * m, 0.0))
+    return DraftLossStats(numerators, zeros.scatter_add(0, bins, m), weights)
+
+
+def _check_draft_inputs(student: Tensor, student_vocab: int, teacher: Tensor, mask: Tensor, chunk: int, who: str):
+    """The student (`[..., V]` logits or `[..., H]` hidden states with `student_vocab` = V),
+    teacher `[..., V]` and mask `[...]` agree; one device; a valid chunk size."""
+    rows = tuple(teacher.shape[:-1])
+    if teacher.dim() < 2 or tuple(student.shape[:-1]) != rows or student_vocab != teacher.shape[-1]:
+        raise ValueError(f"{who}: the student and teacher_logits must have matching [..., V] shapes, got "
+                         f"student {tuple(student.shape[:-1])} × V={student_vocab} and teacher "
+                         f"{tuple(teacher.shape)}")
+    if teacher.numel() == 0:
+        raise ValueError(f"{who}: needs at least one token and one vocabulary entry, got {tuple(teacher.shape)}")
+    if tuple(mask.shape) != rows:
+        raise ValueError(f"{who}: mask must have shape {rows} (the logits' without V), got {tuple(mask.shape)}")
+    devices = {student.device, teacher.device, mask.device}
+    if len(devices) != 1:
+        raise ValueError(f"{who}: every tensor must be on one device, got {sorted(map(str, devices))}")
+    check_chunk_size(chunk, "token_chunk_size")
+
+
+def _fingerprint(t: Tensor) -> tuple[Any, ...]:
+    """Host side: shape, dtype and exact values of a tensor (a digest of its bytes)."""
+    data = t.detach().cpu().contiguous()
+    return tuple(t.shape), str(t.dtype), hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def streaming_vocab_parallel_soft_ce(
+    *,
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
+    tp_group: Any = None,
+    bin_ids: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> DraftLossStats:
+    """Per-bin `Σ mask·H(softmax(teacher), log_softmax(student))` and `Σ mask` over `[..., V]`
+    rows (`[..., V / tp]` vocabulary shards with `tp_group`), ref §7.7. The teacher is
+    detached; the student's gradient is `(q - p)·mask·∂numerators[bin]`, with no collective
+    in the backward. `token_chunk_size` rows at a time in eager mode."""
+    who = "streaming_vocab_parallel_soft_ce"
+    _check_draft_inputs(student_logits, student_logits.shape[-1], teacher_logits, mask, token_chunk_size, who)
+    bin_ids, weights = _bins(mask, bin_ids, weights, who)
     vocab = student_logits.shape[-1]
-    stats = vocab_reduce(
-        student_logits.reshape(-1, vocab),
-        teacher=teacher_logits.reshape(-1, vocab),
-        chunk_size=token_chunk_size,
-        group=vocab_parallel_group,
-    )
-    ce = stats.lse - stats.cross
-    m = mask.reshape(-1).to(ce.dtype)
-    return torch.where(m > 0, ce * m, 0.0).sum()
+    stats = vocab_reduce(student_logits.reshape(-1, vocab), teacher=teacher_logits.reshape(-1, vocab),
+                         chunk_size=token_chunk_size, group=tp_group)
+    return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
+
+
+def projected_streaming_vocab_parallel_soft_ce(
+    *,
+    student_hidden: Tensor,
+    output_weight: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
+    tp_group: Any = None,
+    bin_ids: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> DraftLossStats:
+    """`streaming_vocab_parallel_soft_ce` of the student logits `student_hidden [..., H] @
+    output_weight [V(/tp), H]ᵀ`, fused with the LM-head projection (`linear_vocab_reduce`):
+    no `[T, V]` student logits exist; the hidden state's gradient is summed over TP. In
+    eager mode with a TP group, every rank must hold the same shapes, dtypes, chunk size and
+    exactly equal mask, bin ids and weights (a ValueError on every rank otherwise)."""
+    who = "projected_streaming_vocab_parallel_soft_ce"
+    if output_weight.dim() != 2 or output_weight.shape[1] != student_hidden.shape[-1]:
+        raise ValueError(f"{who}: output_weight must be [V, H] with H = student_hidden's last dim "
+                         f"{student_hidden.shape[-1]}, got {tuple(output_weight.shape)}")
+    _check_draft_inputs(student_hidden, output_weight.shape[0], teacher_logits, mask, token_chunk_size, who)
+    bin_ids, weights = _bins(mask, bin_ids, weights, who)
+    if group_size(tp_group) > 1 and not torch.compiler.is_compiling():
+        check_agreement(
+            f"{who}'s inputs (shapes, dtypes, token_chunk_size; mask, bin_ids and weights exactly)",
+            (tuple(student_hidden.shape), str(student_hidden.dtype), tuple(output_weight.shape),
+             str(output_weight.dtype), tuple(teacher_logits.shape), token_chunk_size,
+             _fingerprint(mask), _fingerprint(bin_ids), _fingerprint(weights)),
+            tp_group,
+        )
+    hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
+    stats = linear_vocab_reduce(hidden, output_weight, teacher=teacher_logits.reshape(hidden.shape[0], -1),
+                                chunk_size=token_chunk_size, group=tp_group)
+    return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +195,10 @@ class DraftCrossEntropyLossFn:
         require_shape(token_mask, tuple(student_logits.shape[:-1]), "token_mask", who)
         require_keys(data, ("sample_mask",), who)
         mask = token_mask * data["sample_mask"].reshape((-1,) + (1,) * (token_mask.dim() - 1))
-        numerator = soft_cross_entropy_sum(
-            student_logits, teacher_logits, mask, self.token_chunk_size, self.vocab_parallel_group
+        return streaming_vocab_parallel_soft_ce(
+            student_logits=student_logits, teacher_logits=teacher_logits, mask=mask,
+            token_chunk_size=self.token_chunk_size, tp_group=self.vocab_parallel_group,
         )
-        one = numerator.new_ones(1)
-        return DraftLossStats(numerator.reshape(1), mask.sum().to(one.dtype).reshape(1), one)
 
     def __call__(
         self,

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from compiled_loss.config import Config, PackingMode, build_loss
+from compiled_loss.draft import DraftBatch, DraftRuntimeBase, anchor_noise, anchor_seed, with_draft_loss
 from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input, validate_batch
 from compiled_loss.metrics import combine_metrics, metrics_to_python
 from compiled_loss.packing import (
@@ -54,13 +55,31 @@ from compiled_loss.train.recorder import CompileRecorder
 Tensor = torch.Tensor
 
 
-def _packed_logits(model, layout: PackedLayout, data, *, temperature):
+def _captured(model, ids, positions, segments, *, aux_layers, documents, loss_mask, noise):
+    """The model forward; with a drafter (`aux_layers`) also the `DraftBatch` it captured:
+    the raw logits (before temperature) and the auxiliary layers' outputs, detached."""
+    if aux_layers is None:
+        return model(ids, positions, segments), None
+    logits, hidden = model(ids, positions, segments, return_hidden=True)
+    batch = DraftBatch(
+        input_ids=ids, hidden_states=torch.cat([hidden[i + 1] for i in aux_layers], -1).detach(),
+        teacher_logits=logits.detach(), loss_mask=loss_mask, document_ids=documents, position_ids=positions,
+        anchor_noise=noise,
+    )
+    return logits, batch
+
+
+def _packed_logits(model, layout: PackedLayout, data, noise=None, *, temperature, aux_layers=None):
     """Model forward on the packed `[1, T_b]` micro-batch (this TP rank's vocabulary shard),
-    and this CP rank's slots of it."""
+    this CP rank's slots of it, and the drafter's `DraftBatch` (or None)."""
     positions = torch.where(layout.slot_col < layout.tokens, layout.slot_col, 0)
-    logits = model(layout.pack(data["input_ids"])[None], positions[None], layout.slot_row[None])
+    real = layout.slot_col < layout.row_len[layout.slot_row]
+    documents = torch.where(real, layout.slot_row, -1)
+    loss_mask = layout.pack(data["token_mask"] * data["sample_mask"][:, None])
+    logits, batch = _captured(model, layout.pack(data["input_ids"])[None], positions[None], layout.slot_row[None],
+                              aux_layers=aux_layers, documents=documents[None], loss_mask=loss_mask[None], noise=noise)
     logits = layout.local(logits[0])[None]
-    return logits / temperature if temperature != 1.0 else logits
+    return (logits / temperature if temperature != 1.0 else logits), batch
 
 
 def _packed_loss(logits, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn, prepare_fn, fused, tp, cp):
@@ -70,19 +89,24 @@ def _packed_loss(logits, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn,
     )
 
 
-def _padded_logits(model, data, *, temperature, cp):
+def _padded_logits(model, data, noise=None, *, temperature, cp, aux_layers=None):
     """Model forward on the padded `[B_b, S_b]` micro-batch (rows padded to a multiple of
-    2·cp; this TP rank's vocabulary shard), and this CP rank's positions of it."""
+    2·cp; this TP rank's vocabulary shard), this CP rank's positions of it, and the
+    drafter's `DraftBatch` (or None)."""
     ids = data["input_ids"]
     cp_size = group_size(cp)
     ids = torch.nn.functional.pad(ids, (0, -ids.shape[1] % (2 * cp_size)))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    logits = model(ids, positions, torch.zeros_like(ids))
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+    documents = torch.where(positions < data["input_lengths"][:, None], rows, -1) if aux_layers is not None else None
+    loss_mask = data["token_mask"] * data["sample_mask"][:, None]
+    logits, batch = _captured(model, ids, positions, torch.zeros_like(ids), aux_layers=aux_layers,
+                              documents=documents, loss_mask=loss_mask, noise=noise)
     if cp_size > 1:
         rows, width = ids.shape
         shards = ContextShards.of_rows(rows, width, cp, ids.device)
         logits = shards.local(logits.flatten(0, 1)).reshape(rows, width // cp_size, -1)
-    return logits / temperature if temperature != 1.0 else logits
+    return (logits / temperature if temperature != 1.0 else logits), batch
 
 
 def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
@@ -92,10 +116,16 @@ def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
     )
 
 
-def _model_and_loss(model, *inputs, logits_fn, loss_fn):
-    """The model forward and the loss of one micro-batch: one compiled graph."""
-    *layout_and_data, g_seqs, g_toks = inputs
-    return loss_fn(logits_fn(model, *layout_and_data), *inputs)
+def _model_and_loss(model, *inputs, logits_fn, loss_fn, runtime=None, n_slots=1):
+    """The model forward, the loss and the drafter's loss of one micro-batch: one compiled graph."""
+    *layout_and_data, noise, g_seqs, g_toks = inputs
+    logits, batch = logits_fn(model, *layout_and_data, noise)
+    loss, metrics = loss_fn(logits, *layout_and_data, g_seqs, g_toks)
+    if runtime is None:
+        return loss, metrics
+    draft, draft_metrics = runtime.draft_loss(batch, n_slots)
+    loss, metrics = with_draft_loss(loss, metrics, draft, runtime.loss_weight)
+    return loss, {**metrics, **draft_metrics}
 
 
 def split_rows(rows: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -127,10 +157,16 @@ class TrainStep:
 
     def __init__(
         self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        groups: ParallelGroups = ParallelGroups(),
+        groups: ParallelGroups = ParallelGroups(), draft_runtime: DraftRuntimeBase | None = None,
+        aux_layers: tuple[int, ...] | None = None,
     ) -> None:
         self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
+        self.draft_runtime, self.global_batch = draft_runtime, -1
         tp, cp, dp = groups.sizes
+        if draft_runtime is not None and (groups.rank_count > 1 or aux_layers is None):
+            raise ValueError("a draft runtime trains in a single process (parallel sizes 1) and needs aux_layers, "
+                             f"got parallel sizes {groups.sizes} and aux_layers={aux_layers}")
+        capture = dict(aux_layers=aux_layers) if draft_runtime is not None else {}
         # DDP averages the replicas' gradients over all tp·cp·dp ranks; their sum, divided by
         # cp (each CP rank's logit gradient is cp × its share, ref §10), is the gradient
         self.loss_scale = tp * dp
@@ -143,7 +179,7 @@ class TrainStep:
         prepare_kwargs = dict(sampling_params=lp.sampling_params(), chunk_size=lp.chunk_size)
         groups_kw = dict(tp=groups.tp, cp=groups.cp)
         if packing.mode == PackingMode.none:
-            self._logits = functools.partial(_padded_logits, temperature=lp.temperature, cp=groups.cp)
+            self._logits = functools.partial(_padded_logits, temperature=lp.temperature, cp=groups.cp, **capture)
             loss: Callable[..., Any] = functools.partial(
                 _padded_loss, loss_fn=self.loss_fn, prepare_fn=functools.partial(prepare_loss_input, **prepare_kwargs),
                 **groups_kw,
@@ -151,13 +187,16 @@ class TrainStep:
         else:  # per-sequence semantics under CP: each rank's slots, as SequencePackingLossWrapper does
             fused = packing.mode == PackingMode.fused or cp > 1
             base = prepare_packed_loss_input if fused else prepare_loss_input
-            self._logits = functools.partial(_packed_logits, temperature=lp.temperature)
+            self._logits = functools.partial(_packed_logits, temperature=lp.temperature, **capture)
             loss = functools.partial(_packed_loss, loss_fn=self.loss_fn,
                                      prepare_fn=functools.partial(base, **prepare_kwargs), fused=fused, **groups_kw)
         # Parallel runs replicate the model with DistributedDataParallel, whose forward does
         # not trace: DDP runs eagerly around the compiled model, and the loss compiles alone
         self._model_outside = groups.rank_count > 1
-        fn = loss if self._model_outside else functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss)
+        fn = loss if self._model_outside else functools.partial(
+            _model_and_loss, logits_fn=self._logits, loss_fn=loss, runtime=draft_runtime,
+            n_slots=cfg.run.micro_batches,
+        )
         c = cfg.compile
         self.recorder = CompileRecorder(c.backend, "train step", c.mode) if c.enabled else None
         self.model_recorder = CompileRecorder(c.backend, "model", c.mode) if c.enabled and self._model_outside else None
@@ -202,25 +241,29 @@ class TrainStep:
         g_seqs, g_toks = counts[0], counts[1]
         full_width = batch["input_ids"].shape[1]
         parts, slots = [], 0
+        self.global_batch += 1
         self.optimizer.zero_grad(set_to_none=True)
-        for a, b in split_rows(len(lengths), self.cfg.run.micro_batches, 2 if self.pairs else 1):
+        for i, (a, b) in enumerate(split_rows(len(lengths), self.cfg.run.micro_batches, 2 if self.pairs else 1)):
             width = max(lengths[a:b])  # trim each micro-batch to its own longest row
             micro = {
                 k: v[a:b, :width] if v.dim() >= 2 and v.shape[1] == full_width else v[a:b]
                 for k, v in batch.items()
             }
-            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, device)
+            micro["input_lengths"] = torch.tensor(lengths[a:b], device=device)
+            seed = anchor_seed(self.groups.dp_rank, self.global_batch, i)
+            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, device, seed)
             (loss * self.loss_scale).backward()
             parts.append(metrics)
             slots += micro_slots
-        grad_norm = None
-        if self.cfg.optim.grad_clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        step_wide: dict[str, Tensor] = {}
+        if self.cfg.optim.grad_clip is not None:  # the drafter's parameters are clipped on their own
+            step_wide["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            if self.draft_runtime is not None:
+                step_wide["draft_grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                    self.draft_runtime.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
         combined = combine_metrics(parts)  # this replica's fragments; then every replica's
-        step_wide = {"global_valid_seqs": g_seqs, "global_valid_toks": g_toks}  # the same on every rank
-        if grad_norm is not None:
-            step_wide["grad_norm"] = grad_norm
+        step_wide.update(global_valid_seqs=g_seqs, global_valid_toks=g_toks)  # the same on every rank
         values = metrics_to_python({**combined, **step_wide})
         metrics = combine_over({k: values[k] for k in combined}, self.groups.dp)
         metrics.update({k: values[k] for k in step_wide})
@@ -228,28 +271,38 @@ class TrainStep:
         tokens, slots = (int(n) for n in all_reduce_host(torch.tensor([sum(lengths), slots]), self.groups.dp))
         return StepResult(metrics, tokens, slots, time.perf_counter() - start)
 
-    def _micro_step(self, micro, lengths, g_seqs, g_toks, device):
+    def _micro_step(self, micro, lengths, g_seqs, g_toks, device, seed):
         rows = len(lengths)
         num_rows = round_to_bucket(rows, self.grid.rows, self.grid.per_octave)
         if self.cfg.packing.mode == PackingMode.none:
             data = pad_to_bucket(micro, rows, num_rows, self.grid)
             shape = tuple(data["input_ids"].shape)
             self.buckets.add(shape)
-            return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks), shape[0] * shape[1])
+            noise = self._noise((shape[0], shape[1] + -shape[1] % (2 * self.groups.sizes[1])), seed, device)
+            return (*self._run(data, noise=noise, g_seqs=g_seqs, g_toks=g_toks), shape[0] * shape[1])
         cu, cu_padded = packed_boundaries(lengths, self.cfg.packing.pad_to_multiple)
         layout = PackedLayout.build(cu, cu_padded, grid=self.grid, device=device, context_parallel_group=self.groups.cp)
         data = layout.pad_data(micro)
         self.buckets.add((layout.tokens,) + tuple(data["input_ids"].shape))
-        return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks), layout.tokens)
+        noise = self._noise((1, layout.tokens), seed, device)
+        return (*self._run(layout, data, noise=noise, g_seqs=g_seqs, g_toks=g_toks), layout.tokens)
 
-    def _run(self, *inputs, g_seqs, g_toks):
+    def _noise(self, shape, seed, device):
+        """The drafter's anchor noise for one micro-batch (host side), or None without one."""
+        return None if self.draft_runtime is None else anchor_noise(shape, seed, device)
+
+    def _run(self, *inputs, noise, g_seqs, g_toks):
         if self._model_outside:
-            return self._compiled(self._logits(self.model, *inputs), *inputs, g_seqs, g_toks)
-        return self._compiled(self.model, *inputs, g_seqs, g_toks)
+            logits, _ = self._logits(self.model, *inputs)
+            return self._compiled(logits, *inputs, g_seqs, g_toks)
+        return self._compiled(self.model, *inputs, noise, g_seqs, g_toks)
 
 
 def build_train_step(
-    cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ParallelGroups = ParallelGroups()
+    cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ParallelGroups = ParallelGroups(),
+    draft_runtime: DraftRuntimeBase | None = None, aux_layers: tuple[int, ...] | None = None,
 ) -> TrainStep:
-    """The compiled training step a config describes (see the module docstring)."""
-    return TrainStep(cfg, model, optimizer, groups)
+    """The compiled training step a config describes (see the module docstring); with a
+    `draft_runtime`, the drafter trains in the same graph on the policy's outputs at
+    `aux_layers` (the optimizer must hold the drafter's parameters too)."""
+    return TrainStep(cfg, model, optimizer, groups, draft_runtime, aux_layers)

@@ -4,11 +4,14 @@
   entropy, soft cross-entropy against a teacher) with a recomputing backward, over the
   full vocabulary or a tensor-parallel shard of it; `token_logprobs` on top of it; the
   global top-k `vocab_topk`;
+- `fused`: `linear_vocab_reduce`, the same statistics straight from hidden states and the
+  LM-head weight, chunked, with no `[N, V]` logits;
 - `sampling`: top-k / top-p parameters and keep thresholds;
 - `draft_vocab`: the drafter's draft→target vocabulary map.
 """
 
 from compiled_loss.vocab.draft_vocab import DraftVocab, map_teacher_logits_to_draft_vocab
+from compiled_loss.vocab.fused import linear_vocab_reduce
 from compiled_loss.vocab.reduce import VocabStats, check_chunk_size, token_logprobs, vocab_reduce, vocab_topk
 from compiled_loss.vocab.sampling import (
     TrainingSamplingParams,
@@ -22,6 +25,7 @@ __all__ = [
     "TrainingSamplingParams",
     "VocabStats",
     "check_chunk_size",
+    "linear_vocab_reduce",
     "map_teacher_logits_to_draft_vocab",
     "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",

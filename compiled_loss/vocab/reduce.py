@@ -60,7 +60,7 @@ def row_chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[in
 
 
 def _row_chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or n_rows == 0:
         return [(0, n_rows)]  # Inductor fuses the whole row sweep; no fp32 copy exists
     return row_chunks(n_rows, vocab, chunk_size)
 
@@ -86,6 +86,78 @@ def _local_index(index: Tensor, start: int, vocab: int) -> tuple[Tensor, Tensor]
     return torch.where(in_shard, local, 0), in_shard
 
 
+def _shard_stats(x: Tensor, teacher: Tensor | None, local: Tensor, in_shard: Tensor, entropy: bool):
+    """One row chunk of this shard's filtered fp32 logits `x [c, V]`: relative to its max
+    `m`, `[c, 5]` = (m, Σe^(x-m), Σe^(x-m)·x, the teacher's max mt, Σe^(t-mt)), `[c]` =
+    Σe^(t-mt)·x, and the logits at the indices this shard holds `[c, K]`."""
+    f32 = torch.float32
+    m = x.amax(-1).clamp(min=torch.finfo(f32).min)
+    ex = torch.exp(x - m[:, None])
+    zero = torch.zeros_like(m)
+    negent = _xlogp_safe(ex, x).sum(-1) if entropy else zero
+    mt, total_t, weighted = zero, zero, zero
+    if teacher is not None:
+        t = teacher.float()
+        mt = t.amax(-1).clamp(min=torch.finfo(f32).min)
+        et = torch.exp(t - mt[:, None])
+        total_t, weighted = et.sum(-1), _xlogp_safe(et, x).sum(-1)
+    picked = torch.where(in_shard, x.gather(-1, local), 0.0)
+    return torch.stack([m, ex.sum(-1), negent, mt, total_t], -1), weighted, picked
+
+
+def _merge_shards(stats: Tensor, weighted: Tensor, picked: Tensor, entropy: bool, has_teacher: bool, group):
+    """The shards' statistics merged with one max and one sum all-reduce (no collective
+    without a group): lse, picked, negent, cross and the teacher's lse, each `[N]` (`[N, K]`)."""
+    maxima = all_reduce_max(stats[:, [0, 3]], group)  # global max of the row, of the teacher row
+    scale = torch.exp(stats[:, [0, 3]] - maxima)  # each shard's sums, rescaled to the global max
+    sums = all_reduce_sum(torch.stack([stats[:, 1] * scale[:, 0], stats[:, 2] * scale[:, 0],
+                                       stats[:, 4] * scale[:, 1], weighted * scale[:, 1]], -1), group)
+    total, weighted_x, teacher_total, teacher_x = sums.unbind(-1)
+    lse = maxima[:, 0] + torch.log(total)
+    negent = weighted_x / total - lse if entropy else torch.zeros_like(lse)
+    teacher_lse = maxima[:, 1] + torch.log(teacher_total)
+    cross = teacher_x / teacher_total if has_teacher else torch.zeros_like(lse)
+    return lse, all_reduce_sum(picked, group), negent, cross, teacher_lse
+
+
+def _chunk_grad(x, kept, teacher, lse, negent, teacher_lse, grads, local, in_shard, live, entropy):
+    """The fp32 gradient w.r.t. one row chunk of this shard's logits `x [c, V]` (already
+    filtered; `kept` the filter's keep mask or None), pointwise: every statistic it needs
+    is global. Rows no output gradient reaches (`live` False) get exactly 0."""
+    g_lse, g_picked, g_negent, g_cross = grads
+    p = torch.exp(x - lse[:, None])
+    coef = g_lse[:, None]
+    if entropy:
+        coef = coef + g_negent[:, None] * torch.where(p > 0, x - lse[:, None] - negent[:, None], 0.0)
+    g = p * coef
+    if teacher is not None:
+        g = g + torch.exp(teacher.float() - teacher_lse[:, None]) * g_cross[:, None]
+    g_picked = torch.where(in_shard & live[:, None], g_picked, 0.0)  # an index another shard holds
+    if kept is not None:
+        g_picked = torch.where(x.gather(-1, local) > float("-inf"), g_picked, 0.0)
+    if local.shape[-1] == 1:
+        g = g + (torch.arange(x.shape[-1], device=x.device)[None, :] == local).to(g.dtype) * g_picked
+    keep = live[:, None] if kept is None else live[:, None] & kept
+    g = torch.where(keep, g, 0.0)
+    return g if local.shape[-1] == 1 else g.scatter_add(-1, local, g_picked)
+
+
+def _live(grads) -> Tensor:
+    """Rows that some output gradient reaches."""
+    g_lse, g_picked, g_negent, g_cross = grads
+    return (g_lse != 0) | (g_picked != 0).any(-1) | (g_negent != 0) | (g_cross != 0)
+
+
+def _filtered_chunk(x: Tensor, threshold: Tensor | None, backward: bool) -> tuple[Tensor, Tensor | None]:
+    """`x` with the entries below the row's threshold at `-inf`, and (backward) the keep mask."""
+    if threshold is None:
+        return x, None
+    if not backward:
+        return _filtered(x, threshold), None
+    kept = x >= threshold[:, None]
+    return torch.where(kept, x, float("-inf")), kept
+
+
 class _VocabReduce(torch.autograd.Function):
     """Per row: a pass over this rank's vocabulary shard gives its max `m` and, relative to
     it, `Σ e^(x-m)`, `Σ e^(x-m)·x`, the teacher's max and `Σ e^(t-mt)`, `Σ e^(t-mt)·x`, and
@@ -96,73 +168,31 @@ class _VocabReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, index, threshold, teacher, entropy, chunk_size, group):
         n, vocab = logits.shape
-        dev, f32 = logits.device, torch.float32
         local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
-        stats = torch.zeros(n, 5, dtype=f32, device=dev)  # m, Σe, Σe·x, mt, Σet (per shard)
-        weighted = torch.zeros(n, dtype=f32, device=dev)  # Σ et·x
-        picked = torch.empty(index.shape, dtype=f32, device=dev)
+        parts = []
         for s, e in _row_chunks(n, vocab, chunk_size):
-            x = _filtered(logits[s:e].float(), None if threshold is None else threshold[s:e])
-            m = x.amax(-1).clamp(min=torch.finfo(f32).min)
-            ex = torch.exp(x - m[:, None])
-            stats[s:e, 0], stats[s:e, 1] = m, ex.sum(-1)
-            if entropy:
-                stats[s:e, 2] = _xlogp_safe(ex, x).sum(-1)
-            if teacher is not None:
-                t = teacher[s:e].float()
-                mt = t.amax(-1).clamp(min=torch.finfo(f32).min)
-                et = torch.exp(t - mt[:, None])
-                stats[s:e, 3], stats[s:e, 4] = mt, et.sum(-1)
-                weighted[s:e] = _xlogp_safe(et, x).sum(-1)
-            picked[s:e] = torch.where(in_shard[s:e], x.gather(-1, local[s:e]), 0.0)
-        maxima = all_reduce_max(stats[:, [0, 3]], group)  # global max of the row, of the teacher row
-        scale = torch.exp(stats[:, [0, 3]] - maxima)  # each shard's sums, rescaled to the global max
-        sums = all_reduce_sum(torch.stack([stats[:, 1] * scale[:, 0], stats[:, 2] * scale[:, 0],
-                                           stats[:, 4] * scale[:, 1], weighted * scale[:, 1]], -1), group)
-        total, weighted_x, teacher_total, teacher_x = sums.unbind(-1)
-        lse = maxima[:, 0] + torch.log(total)
-        negent = weighted_x / total - lse if entropy else torch.zeros_like(lse)
-        teacher_lse = maxima[:, 1] + torch.log(teacher_total)
-        cross = teacher_x / teacher_total if teacher is not None else torch.zeros_like(lse)
-        picked = all_reduce_sum(picked, group)
+            x, _ = _filtered_chunk(logits[s:e].float(), None if threshold is None else threshold[s:e], False)
+            parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e],
+                                      entropy))
+        stats, weighted, picked = (torch.cat(p) for p in zip(*parts))
+        lse, picked, negent, cross, teacher_lse = _merge_shards(stats, weighted, picked, entropy,
+                                                                teacher is not None, group)
         ctx.save_for_backward(logits, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
         ctx.chunk_size, ctx.entropy = chunk_size, entropy
         return lse, picked, negent, cross
 
     @staticmethod
-    def backward(ctx, g_lse, g_picked, g_negent, g_cross):
-        logits, index, in_shard, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
+    def backward(ctx, *grads):
+        logits, local, in_shard, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
         n, vocab = logits.shape
+        live = _live(grads)
         grad = torch.empty_like(logits)
-        k = index.shape[-1]
-        iota = torch.arange(vocab, device=logits.device)
-        g_picked = torch.where(in_shard, g_picked, 0.0)  # an index another shard holds
-        # rows that no output gradient reaches get exactly 0, whatever their logits hold
-        live = (g_lse != 0) | (g_picked != 0).any(-1) | (g_negent != 0) | (g_cross != 0)
         for s, e in _row_chunks(n, vocab, ctx.chunk_size):
-            x = logits[s:e].float()
-            kept = None if threshold is None else x >= threshold[s:e, None]
-            if kept is not None:
-                x = torch.where(kept, x, float("-inf"))
-            p = torch.exp(x - lse[s:e, None])
-            coef = g_lse[s:e, None]
-            if ctx.entropy:
-                coef = coef + g_negent[s:e, None] * torch.where(p > 0, x - lse[s:e, None] - negent[s:e, None], 0.0)
-            g = p * coef
-            if teacher is not None:
-                t = teacher[s:e].float()
-                g = g + torch.exp(t - teacher_lse[s:e, None]) * g_cross[s:e, None]
-            if k == 1:
-                g = g + (iota[None, :] == index[s:e]).to(g.dtype) * g_picked[s:e]
-            keep = live[s:e, None] if kept is None else live[s:e, None] & kept
-            grad[s:e] = torch.where(keep, g, 0.0).to(grad.dtype)
-            if k > 1:
-                picked_grad = torch.where(live[s:e, None], g_picked[s:e], 0.0)
-                if threshold is not None:
-                    picked_grad = torch.where(
-                        x.gather(-1, index[s:e]) > float("-inf"), picked_grad, 0.0
-                    )
-                grad[s:e] = grad[s:e].scatter_add(-1, index[s:e], picked_grad.to(grad.dtype))
+            x, kept = _filtered_chunk(logits[s:e].float(), None if threshold is None else threshold[s:e], True)
+            grad[s:e] = _chunk_grad(
+                x, kept, None if teacher is None else teacher[s:e], lse[s:e], negent[s:e], teacher_lse[s:e],
+                tuple(g[s:e] for g in grads), local[s:e], in_shard[s:e], live[s:e], ctx.entropy,
+            ).to(grad.dtype)
         return grad, None, None, None, None, None, None
 
 
