@@ -8,6 +8,7 @@ from compiled_loss.draft.runtime import (
     DraftRuntimeBase,
     anchor_noise,
     anchor_seed,
+    aux_hidden_states,
     aux_layers_default,
 )
 
@@ -18,6 +19,7 @@ __all__ = [
     "DraftStepState",
     "anchor_noise",
     "anchor_seed",
+    "aux_hidden_states",
     "aux_layers_default",
     "draft_soft_ce",
     "packed_draft_soft_ce",

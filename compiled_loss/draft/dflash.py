@@ -38,9 +38,9 @@ Loss (`DFlashRuntime.draft_loss`)
               the block (a contiguous prefix), slot 0 forced valid for the product and then
               zeroed.
     terms     `w = eval · exp(-(slot - 1) / γ_decay)` (no decay for γ_decay = 0);
-              CE: the soft cross-entropy against the teacher distribution (what ref §7.7's
-              `dflash_projected_vocab_parallel_soft_ce` computes; the §11.3 runtime uses
-              the hard label ids instead), through `vocab_reduce`;
+              CE: the soft cross-entropy against the teacher distribution, fused with the
+              draft LM head (ref §7.7's `dflash_projected_vocab_parallel_soft_ce`; the §11.3
+              runtime uses the hard label ids instead);
               TV: `Σ_v |softmax(draft) - softmax(teacher)|` (row chunks, recomputing
               backward); accept rate `a = clamp(1 - TV/2, 0, 1)`;
               confidence: BCE-with-logits of the confidence head against the detached `a`.
@@ -57,6 +57,7 @@ gradients for the same anchors.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -65,9 +66,9 @@ from torch import nn
 
 from compiled_loss.checks import ConfigError, check_fields, require
 from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase, aux_layers_default
+from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, dflash_projected_vocab_parallel_soft_ce
 from compiled_loss.parallel.collectives import all_reduce_sum
-from compiled_loss.vocab import DraftVocab, check_chunk_size, vocab_reduce
-from compiled_loss.vocab.reduce import row_chunks
+from compiled_loss.vocab import DraftVocab, total_variation
 
 Tensor = torch.Tensor
 
@@ -116,27 +117,24 @@ class DFlashConfig:
     def __post_init__(self) -> None:
         if isinstance(self.aux_layers, list):  # a Hydra list
             object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
-        try:
-            check_fields(self)
-        except ConfigError as e:
-            raise ConfigError(f"draft.{e}") from None
+        check_fields(self)
         for name in ("loss_weight", "loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
             value = getattr(self, name)
-            require(value >= 0, f"draft.{name} must be >= 0, got {value}")
-        require(self.block_size >= 2, f"draft.block_size must be >= 2, got {self.block_size}")
+            require(value >= 0, f"{name} must be >= 0, got {value}")
+        require(self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}")
         for name in ("num_anchors", "num_layers"):
             value = getattr(self, name)
-            require(value >= 1, f"draft.{name} must be >= 1, got {value}")
+            require(value >= 1, f"{name} must be >= 1, got {value}")
         for name in ("hidden_size", "num_heads", "draft_vocab_size", "token_chunk_size"):
             value = getattr(self, name)
-            require(value is None or value >= 1, f"draft.{name} must be None or >= 1, got {value}")
+            require(value is None or value >= 1, f"{name} must be None or >= 1, got {value}")
         layers = self.aux_layers
         if layers is not None:
             require(
                 isinstance(layers, tuple) and len(layers) > 0
                 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
                 and all(a < b for a, b in zip(layers, layers[1:])),
-                f"draft.aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, "
+                f"aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, "
                 f"got {layers!r}",
             )
 
@@ -147,12 +145,12 @@ class DFlashConfig:
         heads = self.num_heads or policy.num_heads
         require(
             hidden % heads == 0 and (hidden // heads) % 2 == 0,
-            f"draft.hidden_size ({hidden}) must be divisible by draft.num_heads ({heads}) into an even head size",
+            f"hidden_size ({hidden}) must be divisible by num_heads ({heads}) into an even head size",
         )
         for layer in self.aux_layers or ():
             require(
                 layer < policy.num_layers,
-                f"draft.aux_layers names layer {layer} but the policy has {policy.num_layers} layers",
+                f"aux_layers names layer {layer} but the policy has {policy.num_layers} layers",
             )
 
 
@@ -230,58 +228,6 @@ def block_targets(
     eval_mask = torch.where(leading, True, valid).float().cumprod(-1)
     eval_mask = torch.where(leading, 0.0, eval_mask)
     return DFlashBlocks(anchors, keep, labels, (flat - 1).clamp(min=0), eval_mask)
-
-
-# ---------------------------------------------------------------------------------------
-# Total variation over vocabulary rows
-# ---------------------------------------------------------------------------------------
-
-
-def _row_chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    if torch.compiler.is_compiling():
-        return [(0, n_rows)]  # the fused kernel keeps no [N, V] temporary
-    return row_chunks(n_rows, vocab, chunk_size)
-
-
-class _TotalVariation(torch.autograd.Function):
-    """`Σ_v |softmax(x)_v - softmax(t)_v|` per row, `t` detached. Saves the inputs and two
-    `[N]` log-partitions; the backward recomputes both softmaxes per row chunk:
-    `∂/∂x_i = p_i·(s_i - Σ_v s_v p_v)` with `s = sign(p - q)`."""
-
-    @staticmethod
-    def forward(ctx, logits, teacher, chunk_size):
-        n, vocab = logits.shape
-        tv, lse, teacher_lse = [], [], []
-        for s, e in _row_chunks(n, vocab, chunk_size):
-            x, t = logits[s:e].float(), teacher[s:e].float()
-            lx, lt = torch.logsumexp(x, -1), torch.logsumexp(t, -1)
-            tv.append((torch.exp(x - lx[:, None]) - torch.exp(t - lt[:, None])).abs().sum(-1))
-            lse.append(lx)
-            teacher_lse.append(lt)
-        lse, teacher_lse = torch.cat(lse), torch.cat(teacher_lse)
-        ctx.save_for_backward(logits, teacher, lse, teacher_lse)
-        ctx.chunk_size = chunk_size
-        return torch.cat(tv)
-
-    @staticmethod
-    def backward(ctx, grad_tv):
-        logits, teacher, lse, teacher_lse = ctx.saved_tensors
-        n, vocab = logits.shape
-        grads = []
-        for s, e in _row_chunks(n, vocab, ctx.chunk_size):
-            p = torch.exp(logits[s:e].float() - lse[s:e, None])
-            q = torch.exp(teacher[s:e].float() - teacher_lse[s:e, None])
-            sign = torch.sign(p - q)
-            g = grad_tv[s:e, None] * p * (sign - (sign * p).sum(-1, keepdim=True))
-            grads.append(torch.where(grad_tv[s:e, None] != 0, g, 0.0).to(logits.dtype))
-        return torch.cat(grads), None, None
-
-
-def total_variation(logits: Tensor, teacher: Tensor, chunk_size: int | None = None) -> Tensor:
-    """`Σ_v |softmax(logits) - softmax(teacher)|` per row of `[N, V]` (fp32 `[N]`, in [0, 2]);
-    gradient to `logits` only; eager mode works in `chunk_size` row tiles."""
-    check_chunk_size(chunk_size)
-    return _TotalVariation.apply(logits, teacher.detach(), chunk_size)
 
 
 # ---------------------------------------------------------------------------------------
@@ -451,12 +397,12 @@ class DFlashRuntime(DraftRuntimeBase):
     `compute_loss`) comes from `DraftRuntimeBase`."""
 
     def __init__(self, config: DFlashConfig, drafter: DFlashDrafter, dp_group: Any = None) -> None:
-        super().__init__(config.loss_weight, dp_group)
+        super().__init__(config.loss_weight, drafter.aux_layers, dp_group)
         if drafter.block_size != config.block_size:
-            raise ValueError(f"drafter.block_size ({drafter.block_size}) != draft.block_size ({config.block_size})")
+            raise ValueError(f"drafter.block_size ({drafter.block_size}) != config.block_size ({config.block_size})")
         if (config.confidence_head_alpha > 0) != (drafter.confidence_head is not None):
             raise ValueError(
-                f"draft.confidence_head_alpha = {config.confidence_head_alpha} needs a drafter "
+                f"config.confidence_head_alpha = {config.confidence_head_alpha} needs a drafter "
                 f"{'with' if config.confidence_head_alpha > 0 else 'without'} a confidence head"
             )
         self.config, self.drafter = config, drafter
@@ -488,27 +434,34 @@ class DFlashRuntime(DraftRuntimeBase):
         blocks = block_targets(batch.input_ids, batch.loss_mask, batch.document_ids, anchors, keep,
                                cfg.block_size, drafter.target_in_draft)
         hidden = drafter(batch.hidden_states, batch.input_ids, batch.position_ids, batch.document_ids, anchors)
-        hidden = hidden[:, FIRST_SUPERVISED_SLOT:]  # [N, γ, D]: the supervised slots
-        logits = drafter.logits(hidden).flatten(0, 1)  # [N·γ, V_draft]
+        length = batch.input_ids.shape[1]
+        slot = torch.arange(cfg.block_size, device=hidden.device)
+        decay = math.exp(-1 / cfg.loss_decay_gamma) if cfg.loss_decay_gamma > 0 else 1.0
+        # the decayed soft-CE, fused with the draft LM head (no [N·γ, V_draft] logits kept)
+        stats = dflash_projected_vocab_parallel_soft_ce(
+            draft_hidden=hidden, output_weight=drafter.lm_head.weight,
+            teacher_logits=drafter.to_draft_vocab(batch.teacher_logits), sample_rows=anchors // length,
+            label_positions=(anchors % length)[:, None] + slot, loss_mask=blocks.eval_mask > 0,
+            position_decay=decay, token_chunk_size=cfg.token_chunk_size or DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
+        )
         eval_mask = blocks.eval_mask[:, FIRST_SUPERVISED_SLOT:]  # [N, γ]
+        weight = eval_mask * stats.weights  # [N, γ]
+        dens = all_reduce_sum(torch.stack([weight.sum(), eval_mask.sum()]).detach(), self.dp_group) + _DEN_EPS
+        weight_den, eval_den = dens[0], dens[1]
+        ce_term = (stats.numerators * stats.weights).sum() / weight_den
+
+        # the total variation: a loss term (with a gradient) or only the accept-rate metric
+        hidden = hidden[:, FIRST_SUPERVISED_SLOT:]  # [N, γ, D]: the supervised slots
         valid = eval_mask.flatten() > 0
         rows = blocks.teacher_index[:, FIRST_SUPERVISED_SLOT:].flatten()
         teacher = drafter.to_draft_vocab(batch.teacher_logits.flatten(0, 1).index_select(0, rows))
         teacher = torch.where(valid[:, None], teacher, 0.0)  # masked slots read no garbage (NaN-safe)
-
-        k = torch.arange(gamma, device=logits.device, dtype=torch.float32)  # slot - first supervised slot
-        decay = torch.exp(-k / cfg.loss_decay_gamma) if cfg.loss_decay_gamma > 0 else torch.ones_like(k)
-        weight = eval_mask * decay  # [N, γ]
-        dens = all_reduce_sum(torch.stack([weight.sum(), eval_mask.sum()]).detach(), self.dp_group) + _DEN_EPS
-        weight_den, eval_den = dens[0], dens[1]
-
-        stats = vocab_reduce(logits, teacher=teacher, chunk_size=cfg.token_chunk_size)
-        ce = torch.where(valid, stats.lse - stats.cross, 0.0).view_as(weight)
-        tv = torch.where(valid, total_variation(logits, teacher, cfg.token_chunk_size), 0.0).view_as(weight)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.l1_loss_alpha > 0):
+            tv = total_variation(drafter.logits(hidden).flatten(0, 1), teacher, cfg.token_chunk_size)
+        tv = torch.where(valid, tv, 0.0).view_as(weight)
         accept = torch.where(eval_mask > 0, (1 - 0.5 * tv.detach()).clamp(0, 1), 0.0)  # [N, γ]
-        ce_term = (ce * weight).sum() / weight_den
-        tv_term = (tv * weight).sum() / weight_den
         loss = cfg.ce_loss_alpha * ce_term
+        tv_term = (tv * weight).sum() / weight_den
         if cfg.l1_loss_alpha > 0:
             loss = loss + cfg.l1_loss_alpha * tv_term
         if drafter.confidence_head is not None:
@@ -517,7 +470,7 @@ class DFlashRuntime(DraftRuntimeBase):
             conf_term = torch.where(eval_mask > 0, bce, 0.0).sum() / eval_den
             loss = loss + cfg.confidence_head_alpha * conf_term
         else:
-            conf_term = torch.zeros((), device=logits.device)
+            conf_term = torch.zeros((), device=hidden.device)
         loss = loss / n_slots
 
         valid_block = eval_mask[:, 0]  # a block with at least one supervised slot
@@ -554,7 +507,7 @@ def build_dflash_runtime(
     draft_vocab = policy_model_config.vocab_size if vocab is None else vocab.size
     if config.draft_vocab_size is not None and config.draft_vocab_size != draft_vocab:
         source = "the policy vocabulary (no d2t given)" if vocab is None else "the d2t map"
-        raise ConfigError(f"draft.draft_vocab_size ({config.draft_vocab_size}) != {draft_vocab}, the size of {source}")
+        raise ConfigError(f"draft_vocab_size ({config.draft_vocab_size}) != {draft_vocab}, the size of {source}")
     drafter = DFlashDrafter(
         policy_hidden_size=policy_model_config.hidden_size,
         aux_layers=config.aux_layers or aux_layers_default(policy_model_config.num_layers),
@@ -579,5 +532,4 @@ __all__ = [
     "block_targets",
     "build_dflash_runtime",
     "select_anchors",
-    "total_variation",
 ]

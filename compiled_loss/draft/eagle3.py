@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -104,13 +103,6 @@ class Eagle3Config:
             f"aux_layers {layers} must name decoder layers of the policy, [0, {num_layers})",
         )
         return layers
-
-
-def eagle3_aux_hidden_states(hidden: Sequence[Tensor], aux_layers: Sequence[int]) -> Tensor:
-    """`[R, L, A·H]`: the outputs of decoder layers `aux_layers`, concatenated in ascending
-    layer order, detached, from a model's hidden-state list `[after embedding, after layer 0,
-    …]` (`TinyLM(return_hidden=True)`'s convention)."""
-    return torch.cat([hidden[i + 1] for i in sorted(aux_layers)], -1).detach()
 
 
 def _shift_left(x: Tensor, offset: int, fill: float | int) -> Tensor:
@@ -278,13 +270,13 @@ class Eagle3Runtime(DraftRuntimeBase):
 
     def __init__(
         self,
-        drafter: Eagle3Drafter,
         config: Eagle3Config,
+        drafter: Eagle3Drafter,
+        aux_layers: tuple[int, ...],
         draft_vocab: DraftVocab | None = None,
         dp_group: Any = None,
-        aux_layers: tuple[int, ...] | None = None,
     ) -> None:
-        super().__init__(config.loss_weight, dp_group)
+        super().__init__(config.loss_weight, aux_layers, dp_group)
         if draft_vocab is not None:
             if draft_vocab.size != drafter.draft_vocab_size:
                 raise ValueError(
@@ -298,7 +290,6 @@ class Eagle3Runtime(DraftRuntimeBase):
                 "needs a d2t map"
             )
         self.drafter, self.config, self.draft_vocab = drafter, config, draft_vocab
-        self.aux_layers = aux_layers
 
     def _check(self, batch: DraftBatch, n_slots: int) -> None:
         """Static (trace-time) shape checks, raised on the host."""
@@ -439,4 +430,4 @@ def build_eagle3_runtime(
         if draft_vocab is not None and draft_vocab.target_ids.device != device:
             draft_vocab = dataclasses.replace(draft_vocab, d2t=draft_vocab.d2t.to(device),
                                               target_ids=draft_vocab.target_ids.to(device))
-    return Eagle3Runtime(drafter, config, draft_vocab, dp_group, aux_layers)
+    return Eagle3Runtime(config, drafter, aux_layers, draft_vocab, dp_group)

@@ -11,7 +11,7 @@ reference's way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -81,8 +81,16 @@ def aux_layers_default(num_layers: int) -> tuple[int, ...]:
                                                                                    num_layers - 4)}))
 
 
+def aux_hidden_states(hidden: Sequence[Tensor], aux_layers: Sequence[int]) -> Tensor:
+    """`[R, L, A·H]`: the outputs of decoder layers `aux_layers`, concatenated in ascending
+    layer order, detached, from a model's hidden-state list `[after the embedding, after
+    layer 0, …]` (`TinyLM(return_hidden=True)`'s convention)."""
+    return torch.cat([hidden[i + 1] for i in sorted(aux_layers)], -1).detach()
+
+
 class DraftRuntimeBase(torch.nn.Module):
-    """A runtime: the drafter (a module of its own), its `loss_weight`, and `draft_loss(batch,
+    """A runtime: the drafter (a module of its own), its `loss_weight`, the policy layers
+    whose outputs it reads (`aux_layers`, 0-based decoder layers), and `draft_loss(batch,
     n_slots)` — pure and traceable, returning the loss already divided by `n_slots` (the
     micro-batch slots of a global batch, so the summed gradient is the mean of per-slot
     means) and metrics as 0-d tensors (raw num/den pairs, which sum across micro-batches).
@@ -94,9 +102,9 @@ class DraftRuntimeBase(torch.nn.Module):
     whose teacher may be left out (the stash is used) — runs `draft_loss`.
     """
 
-    def __init__(self, loss_weight: float, dp_group: Any = None) -> None:
+    def __init__(self, loss_weight: float, aux_layers: tuple[int, ...], dp_group: Any = None) -> None:
         super().__init__()
-        self.loss_weight, self.dp_group = loss_weight, dp_group
+        self.loss_weight, self.aux_layers, self.dp_group = loss_weight, tuple(sorted(aux_layers)), dp_group
         self.n_slots, self.global_batch, self.micro_batch = 1, -1, 0
         self._stashed: Tensor | None = None
 

@@ -162,6 +162,55 @@ def projected_streaming_vocab_parallel_soft_ce(
     return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
 
 
+def dflash_projected_vocab_parallel_soft_ce(
+    *,
+    draft_hidden: Tensor,
+    output_weight: Tensor,
+    teacher_logits: Tensor,
+    sample_rows: Tensor,
+    label_positions: Tensor,
+    loss_mask: Tensor,
+    position_decay: float,
+    token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
+    tp_group: Any = None,
+) -> DraftLossStats:
+    """The DFlash block soft-CE (ref §7.7): block `b`'s slot `j` (hidden `draft_hidden [N,
+    γ+1, H]`, projected by `output_weight [V(/tp), H]`) against the teacher row
+    `teacher_logits [B, S, V(/tp)][sample_rows[b], label_positions[b, j] - 1]`, under
+    `loss_mask [N, γ+1]`. Slot 0 (the verified anchor) is never supervised; a slot whose
+    teacher position lies outside `[0, S)` is masked; masked slots read teacher row 0. Bin
+    `k = j - 1` carries weight `position_decay^k`. The counts are this rank's `(γ,)`: sum them
+    over the data- / context-parallel ranks before `normalized`."""
+    who = "dflash_projected_vocab_parallel_soft_ce"
+    if draft_hidden.dim() != 3 or draft_hidden.shape[1] < 2:
+        raise ValueError(f"{who}: draft_hidden must be [blocks, γ+1 >= 2, H], got {tuple(draft_hidden.shape)}")
+    blocks, slots = draft_hidden.shape[:2]
+    if teacher_logits.dim() != 3:
+        raise ValueError(f"{who}: teacher_logits must be [B, S, V], got {tuple(teacher_logits.shape)}")
+    require_shape(sample_rows, (blocks,), "sample_rows ([blocks])", who)
+    require_shape(label_positions, (blocks, slots), "label_positions ([blocks, γ+1])", who)
+    require_shape(loss_mask, (blocks, slots), "loss_mask ([blocks, γ+1])", who)
+    if not 0 < position_decay <= 1:
+        raise ValueError(f"{who}: position_decay must be in (0, 1], got {position_decay}")
+    rows, length, _ = teacher_logits.shape
+    position = label_positions - 1
+    inside = (position >= 0) & (position < length) & (sample_rows[:, None] >= 0) & (sample_rows[:, None] < rows)
+    slot = torch.arange(slots, device=draft_hidden.device)
+    mask = (loss_mask.bool() & inside & (slot > 0))[:, 1:]
+    flat = torch.where(mask, sample_rows[:, None] * length + position[:, 1:], 0)
+    teacher = teacher_logits.flatten(0, 1).index_select(0, flat.flatten()).view(blocks, slots - 1, -1)
+    gamma = slots - 1
+    weights = position_decay ** torch.arange(gamma, dtype=torch.float32, device=draft_hidden.device)
+    if blocks == 0:  # nothing to score; the sum keeps the drafter in the graph
+        zeros = torch.zeros(gamma, device=draft_hidden.device)
+        return DraftLossStats(zeros + 0 * draft_hidden.float().sum(), zeros, weights)
+    return projected_streaming_vocab_parallel_soft_ce(
+        student_hidden=draft_hidden[:, 1:], output_weight=output_weight, teacher_logits=teacher, mask=mask.float(),
+        token_chunk_size=token_chunk_size, tp_group=tp_group,
+        bin_ids=slot[:gamma].expand(blocks, gamma).contiguous(), weights=weights,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftCrossEntropyLossFn:
     """EAGLE draft soft cross-entropy against the (shifted) policy distribution (ref §4.6).

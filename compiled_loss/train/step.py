@@ -36,7 +36,14 @@ from typing import Any
 import torch
 
 from compiled_loss.config import Config, PackingMode, build_loss
-from compiled_loss.draft import DraftBatch, DraftRuntimeBase, anchor_noise, anchor_seed, with_draft_loss
+from compiled_loss.draft import (
+    DraftBatch,
+    DraftRuntimeBase,
+    anchor_noise,
+    anchor_seed,
+    aux_hidden_states,
+    with_draft_loss,
+)
 from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input, validate_batch
 from compiled_loss.metrics import combine_metrics, metrics_to_python
 from compiled_loss.packing import (
@@ -62,7 +69,7 @@ def _captured(model, ids, positions, segments, *, aux_layers, documents, loss_ma
         return model(ids, positions, segments), None
     logits, hidden = model(ids, positions, segments, return_hidden=True)
     batch = DraftBatch(
-        input_ids=ids, hidden_states=torch.cat([hidden[i + 1] for i in aux_layers], -1).detach(),
+        input_ids=ids, hidden_states=aux_hidden_states(hidden, aux_layers),
         teacher_logits=logits.detach(), loss_mask=loss_mask, document_ids=documents, position_ids=positions,
         anchor_noise=noise,
     )
@@ -158,15 +165,13 @@ class TrainStep:
     def __init__(
         self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         groups: ParallelGroups = ParallelGroups(), draft_runtime: DraftRuntimeBase | None = None,
-        aux_layers: tuple[int, ...] | None = None,
     ) -> None:
         self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
         self.draft_runtime, self.global_batch = draft_runtime, -1
         tp, cp, dp = groups.sizes
-        if draft_runtime is not None and (groups.rank_count > 1 or aux_layers is None):
-            raise ValueError("a draft runtime trains in a single process (parallel sizes 1) and needs aux_layers, "
-                             f"got parallel sizes {groups.sizes} and aux_layers={aux_layers}")
-        capture = dict(aux_layers=aux_layers) if draft_runtime is not None else {}
+        if draft_runtime is not None and groups.rank_count > 1:
+            raise ValueError(f"a draft runtime trains in a single process (parallel sizes 1), got {groups.sizes}")
+        capture = dict(aux_layers=draft_runtime.aux_layers) if draft_runtime is not None else {}
         # DDP averages the replicas' gradients over all tp·cp·dp ranks; their sum, divided by
         # cp (each CP rank's logit gradient is cp × its share, ref §10), is the gradient
         self.loss_scale = tp * dp
@@ -300,9 +305,9 @@ class TrainStep:
 
 def build_train_step(
     cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ParallelGroups = ParallelGroups(),
-    draft_runtime: DraftRuntimeBase | None = None, aux_layers: tuple[int, ...] | None = None,
+    draft_runtime: DraftRuntimeBase | None = None,
 ) -> TrainStep:
     """The compiled training step a config describes (see the module docstring); with a
-    `draft_runtime`, the drafter trains in the same graph on the policy's outputs at
+    `draft_runtime`, the drafter trains in the same graph on the policy's outputs at its
     `aux_layers` (the optimizer must hold the drafter's parameters too)."""
-    return TrainStep(cfg, model, optimizer, groups, draft_runtime, aux_layers)
+    return TrainStep(cfg, model, optimizer, groups, draft_runtime)

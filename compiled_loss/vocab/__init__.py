@@ -3,7 +3,8 @@
 - `reduce`: `vocab_reduce`, the one primitive (log-partition, picked logits, negative
   entropy, soft cross-entropy against a teacher) with a recomputing backward, over the
   full vocabulary or a tensor-parallel shard of it; `token_logprobs` on top of it; the
-  global top-k `vocab_topk`;
+  global top-k `vocab_topk`; the total variation `total_variation` between two rows'
+  distributions;
 - `fused`: `linear_vocab_reduce`, the same statistics straight from hidden states and the
   LM-head weight, chunked, with no `[N, V]` logits;
 - `sampling`: top-k / top-p parameters and keep thresholds;
@@ -12,7 +13,14 @@
 
 from compiled_loss.vocab.draft_vocab import DraftVocab, map_teacher_logits_to_draft_vocab
 from compiled_loss.vocab.fused import linear_vocab_reduce
-from compiled_loss.vocab.reduce import VocabStats, check_chunk_size, token_logprobs, vocab_reduce, vocab_topk
+from compiled_loss.vocab.reduce import (
+    VocabStats,
+    check_chunk_size,
+    token_logprobs,
+    total_variation,
+    vocab_reduce,
+    vocab_topk,
+)
 from compiled_loss.vocab.sampling import (
     TrainingSamplingParams,
     mask_out_neg_inf_logprobs,
@@ -31,6 +39,7 @@ __all__ = [
     "need_top_k_or_top_p_filtering",
     "sampling_threshold",
     "token_logprobs",
+    "total_variation",
     "vocab_reduce",
     "vocab_topk",
 ]

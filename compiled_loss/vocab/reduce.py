@@ -257,3 +257,44 @@ def vocab_topk(logits: Tensor, k: int, group: Any = None) -> tuple[Tensor, Tenso
     ids = all_gather(ids, group).movedim(0, -2).flatten(-2)
     top, where = torch.topk(values, min(k, vocab * shards), -1)
     return top, ids.gather(-1, where)
+
+
+class _TotalVariation(torch.autograd.Function):
+    """`Σ_v |softmax(x)_v - softmax(t)_v|` per row, `t` detached. Saves the inputs and two
+    `[N]` log-partitions; the backward recomputes both softmaxes per row chunk:
+    `∂/∂x_i = p_i·(s_i - Σ_v s_v p_v)` with `s = sign(p - q)`."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher, chunk_size):
+        n, vocab = logits.shape
+        tv, lse, teacher_lse = [], [], []
+        for s, e in _row_chunks(n, vocab, chunk_size):
+            x, t = logits[s:e].float(), teacher[s:e].float()
+            lx, lt = torch.logsumexp(x, -1), torch.logsumexp(t, -1)
+            tv.append((torch.exp(x - lx[:, None]) - torch.exp(t - lt[:, None])).abs().sum(-1))
+            lse.append(lx)
+            teacher_lse.append(lt)
+        lse, teacher_lse = torch.cat(lse), torch.cat(teacher_lse)
+        ctx.save_for_backward(logits, teacher, lse, teacher_lse)
+        ctx.chunk_size = chunk_size
+        return torch.cat(tv)
+
+    @staticmethod
+    def backward(ctx, grad_tv):
+        logits, teacher, lse, teacher_lse = ctx.saved_tensors
+        n, vocab = logits.shape
+        grads = []
+        for s, e in _row_chunks(n, vocab, ctx.chunk_size):
+            p = torch.exp(logits[s:e].float() - lse[s:e, None])
+            q = torch.exp(teacher[s:e].float() - teacher_lse[s:e, None])
+            sign = torch.sign(p - q)
+            g = grad_tv[s:e, None] * p * (sign - (sign * p).sum(-1, keepdim=True))
+            grads.append(torch.where(grad_tv[s:e, None] != 0, g, 0.0).to(logits.dtype))
+        return torch.cat(grads), None, None
+
+
+def total_variation(logits: Tensor, teacher: Tensor, chunk_size: int | None = None) -> Tensor:
+    """`Σ_v |softmax(logits) - softmax(teacher)|` per row of `[N, V]` (fp32 `[N]`, in [0, 2]);
+    gradient to `logits` only; eager mode works in `chunk_size` row tiles."""
+    check_chunk_size(chunk_size)
+    return _TotalVariation.apply(logits, teacher.detach(), chunk_size)

@@ -25,9 +25,9 @@ from compiled_loss.draft.dflash import (
     block_targets,
     build_dflash_runtime,
     select_anchors,
-    total_variation,
 )
 from compiled_loss.train import CompileRecorder
+from compiled_loss.vocab import total_variation
 
 SMALL = ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, max_positions=256)
 
@@ -419,17 +419,17 @@ def test_training_lowers_the_loss_and_raises_tau(one_thread):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"block_size": 1}, "draft.block_size must be >= 2, got 1"),
-        ({"num_anchors": 0}, "draft.num_anchors must be >= 1, got 0"),
-        ({"loss_weight": -1.0}, "draft.loss_weight must be >= 0, got -1.0"),
-        ({"loss_decay_gamma": float("nan")}, "draft.loss_decay_gamma must be finite, got nan"),
-        ({"l1_loss_alpha": -0.5}, "draft.l1_loss_alpha must be >= 0, got -0.5"),
-        ({"confidence_head_alpha": "1"}, "draft.confidence_head_alpha must be a float, got str '1'"),
-        ({"hidden_size": 0}, "draft.hidden_size must be None or >= 1, got 0"),
-        ({"num_heads": 2.0}, "draft.num_heads must be an int, got float 2.0"),
-        ({"token_chunk_size": 0}, "draft.token_chunk_size must be None or >= 1, got 0"),
+        ({"block_size": 1}, "block_size must be >= 2, got 1"),
+        ({"num_anchors": 0}, "num_anchors must be >= 1, got 0"),
+        ({"loss_weight": -1.0}, "loss_weight must be >= 0, got -1.0"),
+        ({"loss_decay_gamma": float("nan")}, "loss_decay_gamma must be finite, got nan"),
+        ({"l1_loss_alpha": -0.5}, "l1_loss_alpha must be >= 0, got -0.5"),
+        ({"confidence_head_alpha": "1"}, "confidence_head_alpha must be a float, got str '1'"),
+        ({"hidden_size": 0}, "hidden_size must be None or >= 1, got 0"),
+        ({"num_heads": 2.0}, "num_heads must be an int, got float 2.0"),
+        ({"token_chunk_size": 0}, "token_chunk_size must be None or >= 1, got 0"),
         ({"aux_layers": (1, 0)},
-         "draft.aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, got (1, 0)"),
+         "aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, got (1, 0)"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, message):
@@ -441,13 +441,13 @@ def test_config_errors_name_the_field(kwargs, message):
 def test_config_checks_against_the_policy():
     with pytest.raises(ConfigError) as info:
         build_dflash_runtime(DFlashConfig(hidden_size=30), SMALL)
-    assert str(info.value) == "draft.hidden_size (30) must be divisible by draft.num_heads (4) into an even head size"
+    assert str(info.value) == "hidden_size (30) must be divisible by num_heads (4) into an even head size"
     with pytest.raises(ConfigError) as info:
         build_dflash_runtime(DFlashConfig(aux_layers=(0, 2)), SMALL)
-    assert str(info.value) == "draft.aux_layers names layer 2 but the policy has 2 layers"
+    assert str(info.value) == "aux_layers names layer 2 but the policy has 2 layers"
     with pytest.raises(ConfigError) as info:
         build_dflash_runtime(DFlashConfig(draft_vocab_size=5), TINY, d2t=D2T)
-    assert str(info.value) == "draft.draft_vocab_size (5) != 7, the size of the d2t map"
+    assert str(info.value) == "draft_vocab_size (5) != 7, the size of the d2t map"
     assert DFlashConfig(aux_layers=[0, 1]).aux_layers == (0, 1)  # a Hydra list
     runtime = build_dflash_runtime(DFlashConfig(draft_vocab_size=7, hidden_size=8, num_heads=2), TINY, d2t=D2T)
     assert runtime.drafter.draft_vocab_size == 7 and runtime.drafter.aux_layers == (0, 1)

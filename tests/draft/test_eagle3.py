@@ -20,12 +20,11 @@ from compiled_loss.checks import ConfigError
 from compiled_loss.config import DataConfig, ModelConfig
 from compiled_loss.demo.data import sample_batch
 from compiled_loss.demo.model import TinyLM
-from compiled_loss.draft import DraftBatch
+from compiled_loss.draft import DraftBatch, aux_hidden_states
 from compiled_loss.draft.eagle3 import (
     Eagle3Config,
     Eagle3Runtime,
     build_eagle3_runtime,
-    eagle3_aux_hidden_states,
 )
 from compiled_loss.train import CompileRecorder
 
@@ -380,7 +379,7 @@ def test_training_against_a_frozen_policy_lowers_the_loss_and_raises_agreement()
         with torch.no_grad():
             logits, hidden = policy(ids, positions, torch.zeros_like(ids), return_hidden=True)
         batch = DraftBatch(
-            input_ids=ids, hidden_states=eagle3_aux_hidden_states(hidden, runtime.aux_layers), teacher_logits=logits,
+            input_ids=ids, hidden_states=aux_hidden_states(hidden, runtime.aux_layers), teacher_logits=logits,
             loss_mask=data["token_mask"] * data["sample_mask"][:, None],
             document_ids=torch.where(positions < data["input_lengths"][:, None], torch.arange(rows)[:, None], -1),
             position_ids=positions, anchor_noise=torch.zeros(rows, width),
