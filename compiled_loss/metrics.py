@@ -90,6 +90,21 @@ def rescale_loss_metrics(
     }
 
 
+def with_ratios(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Host-side: `metrics` plus the ratio `X[@k] = X_num[@k] / X_den[@k]` of every num/den
+    pair (the draft runtimes report their rates as pairs so that they sum across
+    micro-batches and ranks); NaN where the denominator is 0."""
+    out = dict(metrics)
+    for key, num in metrics.items():
+        base, at, index = key.partition("@")
+        if not base.endswith("_num"):
+            continue
+        den = metrics.get(f"{base[:-4]}_den{at}{index}")
+        if den is not None:
+            out[f"{base[:-4]}{at}{index}"] = num / den if den else float("nan")
+    return out
+
+
 def metrics_to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Host-side: 0-d tensor metrics to Python floats, with one device sync in all.
 

@@ -2,7 +2,7 @@
 schemas in the ConfigStore, and `load_config`, which turns a composed config into a typed,
 validated `Config`.
 
-Schemas are stored at the root of the store (`schema_<group>`, `schema_loss_<kind>`),
+Schemas are stored at the root of the store (`schema_<group>`, `schema_loss_<kind>`, `schema_draft_<kind>`),
 outside the config groups, so `--help` lists only the real options; each YAML option under
 `conf/<group>/` names its schema first (`- /schema_packing@_here_`), so Hydra type-checks
 it. `load_config` rejects, before anything is built: unknown keys (including Hydra's
@@ -20,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from compiled_loss.config import (
+    DRAFT_KINDS,
     LOSS_KINDS,
     CompileConfig,
     Config,
     DataConfig,
-    DraftConfig,
     LogprobConfig,
     ModelConfig,
     OptimConfig,
@@ -35,7 +35,6 @@ from compiled_loss.config import (
 
 GROUP_SCHEMAS: dict[str, type] = {
     "packing": PackingConfig,
-    "draft": DraftConfig,
     "parallel": ParallelConfig,
     "compile": CompileConfig,
     "model": ModelConfig,
@@ -54,6 +53,8 @@ def register() -> None:
         store.store(name=f"schema_{group}", node=node)
     for option in LOSS_KINDS:
         store.store(name=f"schema_loss_{option().name}", node=option)
+    for option in DRAFT_KINDS:
+        store.store(name=f"schema_draft_{option().name}", node=option)
 
 
 register()
@@ -61,7 +62,7 @@ register()
 
 def _strict(cfg: DictConfig) -> None:
     """Reject keys the schemas do not declare (Hydra accepts `+group.key=` silently)."""
-    for group in ("loss", *GROUP_SCHEMAS):
+    for group in ("loss", "draft", *GROUP_SCHEMAS):
         node = cfg[group]
         schema = OmegaConf.get_type(node)
         try:

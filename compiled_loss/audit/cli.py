@@ -1,11 +1,12 @@
 """`compiled-loss-audit` (also `python tools/audit.py`): the graph-break / recompile gate.
 
 Sweeps configurations — by default a representative subset (every loss, packing mode,
-dtype and backend at least once, about two minutes on 2 CPU cores); `--full` or a
+draft runtime, dtype and backend at least once, a few minutes on 2 CPU cores); `--full` or a
 `loss=` / `packing=` / `draft=` / `dtype=` choice sweeps the matrix of those — and for
 each drives (1) the compiled packing wrapper over `batches` micro-batches
-drawn from a realistic RL length distribution and (2) the compiled training step over
-`steps` steps. For each it reports graphs, graph breaks (reason, file:line), in-graph host
+drawn from a realistic RL length distribution (once per loss, packing and dtype: it does
+not read the drafter) and (2) the compiled training step — with its co-trained drafter —
+over `steps` steps. For each it reports graphs, graph breaks (reason, file:line), in-graph host
 syncs, frames that fell back to eager, compiles and recompiles (with the failed guard),
 buckets hit, compile seconds and warm call time — as a terminal table, `audit.json` and
 `audit.md`. It exits non-zero when any configuration has a break, a sync or an eager
@@ -49,11 +50,11 @@ Tensor = torch.Tensor
 
 LOSSES = ("clipped_pg", "gspo", "cispo", "reinforce", "nll", "dpo", "distillation", "mse_value")
 PACKINGS = ("none", "per_sequence", "fused")
-DRAFTS = ("none",)
+DRAFTS = ("none", "eagle3", "dflash")
 DTYPES = ("fp32", "bf16")
 
-# The default run, as (loss, packing, draft, dtype, backend): every loss, packing mode, dtype
-# and backend at least once.
+# The default run, as (loss, packing, draft, dtype, backend): every loss, packing mode, draft
+# runtime, dtype and backend at least once.
 SUBSET = (
     ("clipped_pg", "fused", "none", "bf16", "inductor"),
     ("clipped_pg", "per_sequence", "none", "fp32", "aot_eager"),
@@ -64,6 +65,8 @@ SUBSET = (
     ("dpo", "per_sequence", "none", "fp32", "aot_eager"),
     ("distillation", "fused", "none", "fp32", "aot_eager"),
     ("mse_value", "none", "none", "fp32", "aot_eager"),
+    ("nll", "per_sequence", "eagle3", "bf16", "aot_eager"),
+    ("clipped_pg", "none", "dflash", "fp32", "aot_eager"),
 )
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -220,7 +223,7 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
     parallel `groups` also the model, which then compiles apart (DDP runs around it)."""
     import copy
 
-    from compiled_loss.config import loss_family
+    from compiled_loss.config import build_draft_runtime, loss_family
     from compiled_loss.demo.data import replica_rows, rollout, sample_batch
     from compiled_loss.demo.model import TinyLM
     from compiled_loss.train import build_train_step
@@ -234,7 +237,9 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
     family = loss_family(cfg.loss)
     model = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
     reference = copy.deepcopy(model).requires_grad_(False)
-    step = build_train_step(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-3), groups)
+    drafter = build_draft_runtime(cfg.draft, cfg.model, model)
+    trained = [p for m in (model, drafter) if m is not None for p in m.parameters() if p.requires_grad]
+    step = build_train_step(cfg, model, torch.optim.AdamW(trained, lr=1e-3), groups, drafter)
     recorders = [(name, step.recorder)] + ([(f"{name} model", step.model_recorder)] if step.model_recorder else [])
     results = [Drive(label, recorder.report) for label, recorder in recorders]
     warm: list[float] = []
@@ -274,9 +279,11 @@ def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int) -> list[
         label = f"{loss}/{packing}/{draft}/{dtype}"
         print(f"[{i}/{len(rows)}] {label} ({backend})", flush=True)
         cfg = _config(loss, packing, draft, dtype, backend, steps)
-        samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
-        found = [drive(f"{label} wrapper", _wrapper_call, samples, backend, dynamic=cfg.compile.dynamic,
-                       after=lambda out: out[0].backward())]
+        found = []
+        if draft == "none":  # the wrapper does not read the drafter: audited once per loss / packing / dtype
+            samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
+            found.append(drive(f"{label} wrapper", _wrapper_call, samples, backend, dynamic=cfg.compile.dynamic,
+                               after=lambda out: out[0].backward()))
         if steps:
             found += _audit_step(cfg, f"{label} step", seed=len(drives))
         for d in found:

@@ -1,4 +1,4 @@
-"""Typed configs of the config groups other than `loss` (plain dataclasses; the Hydra
+"""Typed configs of the config groups other than `loss` and `draft` (plain dataclasses; the Hydra
 application registers them as schemas). Each validates its own fields when constructed:
 types, finiteness and ranges, with messages that name the key."""
 
@@ -61,17 +61,6 @@ class PackingConfig:
             self.grid()
         except ValueError as e:
             raise ValueError(f"packing: {e}") from None
-
-
-@dataclasses.dataclass(kw_only=True)
-class DraftConfig:
-    """Co-trained drafter."""
-
-    name: str = "none"
-    """The draft runtime; 'none' trains the policy alone."""
-
-    def __post_init__(self) -> None:
-        require(self.name == "none", f"draft={self.name!r} is not a draft runtime; valid choices: ['none']")
 
 
 @dataclasses.dataclass(kw_only=True)

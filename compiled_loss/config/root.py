@@ -6,10 +6,10 @@ import dataclasses
 from typing import Any
 
 from compiled_loss.checks import require
+from compiled_loss.config.drafts import NoneDraftOption, check_draft
 from compiled_loss.config.groups import (
     CompileConfig,
     DataConfig,
-    DraftConfig,
     LogprobConfig,
     ModelConfig,
     OptimConfig,
@@ -28,7 +28,8 @@ class Config:
     loss: Any = None
     """A loss option (`compiled_loss.config.losses`); None: GRPO with the reference's defaults."""
     packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)
-    draft: DraftConfig = dataclasses.field(default_factory=DraftConfig)
+    draft: Any = None
+    """A draft option (`compiled_loss.config.drafts`); None: no co-trained drafter."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -41,6 +42,8 @@ class Config:
         """Cross-group checks; each group checked its own fields when it was built."""
         if self.loss is None:
             self.loss = ClippedPgLossOption()
+        if self.draft is None:
+            self.draft = NoneDraftOption()
         loss = build_loss(self.loss)
         name, family = self.loss.name, loss_family(self.loss)
         logprob = self.logprob
@@ -93,3 +96,14 @@ class Config:
             f"data.prompts={self.data.prompts} must split evenly over parallel.dp={dp} replicas, each with at "
             f"least run.micro_batches={self.run.micro_batches} {'pairs' if pairs else 'rows'}",
         )
+        if self.draft.name != "none":
+            require(
+                tp * cp * dp == 1,
+                f"draft={self.draft.name} trains the drafter in a single process; got parallel.tp={tp}, "
+                f"parallel.cp={cp}, parallel.dp={dp}",
+            )
+            require(
+                family != "value",
+                f"draft={self.draft.name} reads the policy's logits; loss={name} trains a value head",
+            )
+            check_draft(self.draft, self.model)

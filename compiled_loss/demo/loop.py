@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from compiled_loss.config import Config, loss_family
+from compiled_loss.config import Config, build_draft_runtime, loss_family
 from compiled_loss.demo.data import replica_rows, rollout, sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.train import build_train_step
@@ -26,6 +26,18 @@ _KEY_METRICS = {
     "distillation": (),
     "value": ("values_mean", "vf_clipfrac"),
 }
+
+
+def _draft_metrics(cfg: Config) -> tuple[str, ...]:
+    """The draft metrics shown on the per-step line: its loss and how well it agrees with
+    the policy (EAGLE-3: top-1 agreement at the first and last TTT step; DFlash: τ, the
+    first slot's accept rate and top-1 agreement)."""
+    if cfg.draft.name == "eagle3":
+        last = cfg.draft.ttt_steps - 1
+        return ("draft_loss", "draft_full_acc@0") + ((f"draft_full_acc@{last}",) if last else ())
+    if cfg.draft.name == "dflash":
+        return "draft_loss", "draft_tau", "draft_accept_rate@1", "draft_acc@1"
+    return ()
 
 
 def _progress(step: int, total: int, width: int = 30) -> str:
@@ -49,9 +61,11 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     policy = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family == "distillation" else None
+    drafter = build_draft_runtime(cfg.draft, cfg.model, policy)
+    trained = [p for m in (policy, drafter) if m is not None for p in m.parameters() if p.requires_grad]
     o = cfg.optim
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-    step = build_train_step(cfg, policy, optimizer, groups)
+    optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    step = build_train_step(cfg, policy, optimizer, groups, drafter)
     lead = groups.rank == 0
     output_dir.mkdir(parents=True, exist_ok=True)
     history: list[dict[str, Any]] = []
@@ -83,7 +97,7 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
             log.write(json.dumps(record) + "\n")
             log.flush()
             if i % cfg.run.log_every == 0 or i == cfg.run.steps:
-                keys = [k for k in _KEY_METRICS[family] if k in record]
+                keys = [k for k in _KEY_METRICS[family] + _draft_metrics(cfg) if k in record]
                 shown = " ".join(f"{k} {record[k]:.4g}" for k in keys)
                 print(
                     f"\r{_progress(i, cfg.run.steps)} loss {record['loss']:.4f} {shown} reward "
@@ -93,11 +107,14 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     report = step.recorder.report if step.recorder else None
     summary = {
         "loss": cfg.loss.name,
+        "draft": cfg.draft.name,
         "packing": cfg.packing.mode.value,
         "compile": cfg.compile.enabled and cfg.compile.backend,
         "steps": cfg.run.steps,
         "first_loss": history[0]["loss"],
         "final_loss": history[-1]["loss"],
+        **{f"{end}_{key}": history[at][key] for key in _draft_metrics(cfg)
+           for end, at in (("first", 0), ("final", -1))},
         "tokens": tokens,
         "tokens_per_s": tokens / train_seconds,
         "steady_tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None,

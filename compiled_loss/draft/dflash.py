@@ -47,6 +47,10 @@ Loss (`DFlashRuntime.draft_loss`)
               `loss = (α_ce·Σ CE·w / W + α_l1·Σ TV·w / W + α_conf·Σ BCE·eval / E) / n_slots`
               with `W = Σ w`, `E = Σ eval` detached and summed over the data-parallel group
               (+1e-6).
+    metrics   `draft_loss` and its terms; num/den pairs (they sum over micro-batches):
+              `draft_tau_*` (τ = 1 + Σ_j Π_{i≤j} a_i per block), and per slot j = 1..γ
+              `draft_accept_rate_*@j` (mean a) and `draft_acc_*@j` (top-1 agreement of the
+              draft with the teacher).
 
 Everything has static shapes (`[R, L]`, `num_anchors`, `block_size`) and no host sync, so
 one compile serves every micro-batch of a shape whatever its anchors; an unpacked batch
@@ -457,8 +461,10 @@ class DFlashRuntime(DraftRuntimeBase):
         teacher = drafter.to_draft_vocab(batch.teacher_logits.flatten(0, 1).index_select(0, rows))
         teacher = torch.where(valid[:, None], teacher, 0.0)  # masked slots read no garbage (NaN-safe)
         with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.l1_loss_alpha > 0):
-            tv = total_variation(drafter.logits(hidden).flatten(0, 1), teacher, cfg.token_chunk_size)
+            logits = drafter.logits(hidden).flatten(0, 1)
+            tv = total_variation(logits, teacher, cfg.token_chunk_size)
         tv = torch.where(valid, tv, 0.0).view_as(weight)
+        agree = ((logits.detach().argmax(-1) == teacher.argmax(-1)) & valid).view_as(weight).float()  # top-1
         accept = torch.where(eval_mask > 0, (1 - 0.5 * tv.detach()).clamp(0, 1), 0.0)  # [N, γ]
         loss = cfg.ce_loss_alpha * ce_term
         tv_term = (tv * weight).sum() / weight_den
@@ -484,9 +490,12 @@ class DFlashRuntime(DraftRuntimeBase):
             "draft_tau_den": valid_block.sum(),
         }
         accept_num, accept_den = accept.sum(0), eval_mask.sum(0)
+        agree_num = agree.sum(0)
         for i in range(gamma):
             metrics[f"draft_accept_rate_num@{i + 1}"] = accept_num[i]
             metrics[f"draft_accept_rate_den@{i + 1}"] = accept_den[i]
+            metrics[f"draft_acc_num@{i + 1}"] = agree_num[i]
+            metrics[f"draft_acc_den@{i + 1}"] = accept_den[i]
         return loss, metrics
 
 

@@ -23,6 +23,14 @@ positions. The step replicates the model over all ranks with `DistributedDataPar
 whose averaged gradients the loss scale `tp · dp` turns into the single-process gradient;
 DDP's forward does not trace, so it runs eagerly around the compiled model
 (`CompiledModule`) and the loss compiles as a graph of its own.
+
+Co-trained drafter (`draft_runtime`, single process): the model also returns its hidden
+states (`forward(..., return_hidden=True) -> (logits, [after the embedding, after layer 0,
+…])`); the step hands the runtime a `DraftBatch` of what the forward captured — detached,
+so the policy's gradients do not depend on the drafter — plus per-token anchor noise drawn
+on the host from `anchor_seed(dp_rank, global batch, micro-batch)` (the same noise for a
+token in every packing mode), and adds `loss_weight × draft loss` in the same compiled
+graph. The drafter's gradients are clipped on their own.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from compiled_loss.draft import (
     with_draft_loss,
 )
 from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input, validate_batch
-from compiled_loss.metrics import combine_metrics, metrics_to_python
+from compiled_loss.metrics import combine_metrics, metrics_to_python, with_ratios
 from compiled_loss.packing import (
     PackedLayout,
     pad_to_bucket,
@@ -62,7 +70,7 @@ from compiled_loss.train.recorder import CompileRecorder
 Tensor = torch.Tensor
 
 
-def _captured(model, ids, positions, segments, *, aux_layers, documents, loss_mask, noise):
+def _captured(model, ids, positions, segments, *, aux_layers, documents=None, loss_mask=None, noise=None):
     """The model forward; with a drafter (`aux_layers`) also the `DraftBatch` it captured:
     the raw logits (before temperature) and the auxiliary layers' outputs, detached."""
     if aux_layers is None:
@@ -76,15 +84,21 @@ def _captured(model, ids, positions, segments, *, aux_layers, documents, loss_ma
     return logits, batch
 
 
-def _packed_logits(model, layout: PackedLayout, data, noise=None, *, temperature, aux_layers=None):
+def _packed_logits(model, layout: PackedLayout, data, *, temperature, aux_layers=None):
     """Model forward on the packed `[1, T_b]` micro-batch (this TP rank's vocabulary shard),
     this CP rank's slots of it, and the drafter's `DraftBatch` (or None)."""
     positions = torch.where(layout.slot_col < layout.tokens, layout.slot_col, 0)
-    real = layout.slot_col < layout.row_len[layout.slot_row]
-    documents = torch.where(real, layout.slot_row, -1)
-    loss_mask = layout.pack(data["token_mask"] * data["sample_mask"][:, None])
-    logits, batch = _captured(model, layout.pack(data["input_ids"])[None], positions[None], layout.slot_row[None],
-                              aux_layers=aux_layers, documents=documents[None], loss_mask=loss_mask[None], noise=noise)
+    ids = layout.pack(data["input_ids"])[None]
+    if aux_layers is None:
+        logits, batch = _captured(model, ids, positions[None], layout.slot_row[None], aux_layers=None)
+    else:
+        real = layout.slot_col < layout.row_len[layout.slot_row]
+        logits, batch = _captured(
+            model, ids, positions[None], layout.slot_row[None], aux_layers=aux_layers,
+            documents=torch.where(real, layout.slot_row, -1)[None],
+            loss_mask=layout.pack(data["token_mask"] * data["sample_mask"][:, None])[None],
+            noise=layout.pack(data["anchor_noise"])[None],
+        )
     logits = layout.local(logits[0])[None]
     return (logits / temperature if temperature != 1.0 else logits), batch
 
@@ -96,7 +110,7 @@ def _packed_loss(logits, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn,
     )
 
 
-def _padded_logits(model, data, noise=None, *, temperature, cp, aux_layers=None):
+def _padded_logits(model, data, *, temperature, cp, aux_layers=None):
     """Model forward on the padded `[B_b, S_b]` micro-batch (rows padded to a multiple of
     2·cp; this TP rank's vocabulary shard), this CP rank's positions of it, and the
     drafter's `DraftBatch` (or None)."""
@@ -104,11 +118,15 @@ def _padded_logits(model, data, noise=None, *, temperature, cp, aux_layers=None)
     cp_size = group_size(cp)
     ids = torch.nn.functional.pad(ids, (0, -ids.shape[1] % (2 * cp_size)))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-    documents = torch.where(positions < data["input_lengths"][:, None], rows, -1) if aux_layers is not None else None
-    loss_mask = data["token_mask"] * data["sample_mask"][:, None]
-    logits, batch = _captured(model, ids, positions, torch.zeros_like(ids), aux_layers=aux_layers,
-                              documents=documents, loss_mask=loss_mask, noise=noise)
+    if aux_layers is None:
+        logits, batch = _captured(model, ids, positions, torch.zeros_like(ids), aux_layers=None)
+    else:  # a drafter trains in a single process: no context-parallel padding here
+        rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        logits, batch = _captured(
+            model, ids, positions, torch.zeros_like(ids), aux_layers=aux_layers,
+            documents=torch.where(positions < data["input_lengths"][:, None], rows, -1),
+            loss_mask=data["token_mask"] * data["sample_mask"][:, None], noise=data["anchor_noise"],
+        )
     if cp_size > 1:
         rows, width = ids.shape
         shards = ContextShards.of_rows(rows, width, cp, ids.device)
@@ -125,8 +143,8 @@ def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
 
 def _model_and_loss(model, *inputs, logits_fn, loss_fn, runtime=None, n_slots=1):
     """The model forward, the loss and the drafter's loss of one micro-batch: one compiled graph."""
-    *layout_and_data, noise, g_seqs, g_toks = inputs
-    logits, batch = logits_fn(model, *layout_and_data, noise)
+    *layout_and_data, g_seqs, g_toks = inputs
+    logits, batch = logits_fn(model, *layout_and_data)
     loss, metrics = loss_fn(logits, *layout_and_data, g_seqs, g_toks)
     if runtime is None:
         return loss, metrics
@@ -250,13 +268,15 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         for i, (a, b) in enumerate(split_rows(len(lengths), self.cfg.run.micro_batches, 2 if self.pairs else 1)):
             width = max(lengths[a:b])  # trim each micro-batch to its own longest row
-            micro = {
-                k: v[a:b, :width] if v.dim() >= 2 and v.shape[1] == full_width else v[a:b]
+            micro = {  # contiguous: a view's strides follow the batch's width, and compiled code guards on them
+                k: (v[a:b, :width] if v.dim() >= 2 and v.shape[1] == full_width else v[a:b]).contiguous()
                 for k, v in batch.items()
             }
-            micro["input_lengths"] = torch.tensor(lengths[a:b], device=device)
-            seed = anchor_seed(self.groups.dp_rank, self.global_batch, i)
-            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, device, seed)
+            if self.draft_runtime is not None:  # the drafter's per-token anchor noise, drawn on the host
+                micro["input_lengths"] = torch.tensor(lengths[a:b], device=device)
+                seed = anchor_seed(self.groups.dp_rank, self.global_batch, i)
+                micro["anchor_noise"] = anchor_noise((b - a, width), seed, device)
+            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, device)
             (loss * self.loss_scale).backward()
             parts.append(metrics)
             slots += micro_slots
@@ -270,37 +290,31 @@ class TrainStep:
         combined = combine_metrics(parts)  # this replica's fragments; then every replica's
         step_wide.update(global_valid_seqs=g_seqs, global_valid_toks=g_toks)  # the same on every rank
         values = metrics_to_python({**combined, **step_wide})
-        metrics = combine_over({k: values[k] for k in combined}, self.groups.dp)
+        metrics = with_ratios(combine_over({k: values[k] for k in combined}, self.groups.dp))
         metrics.update({k: values[k] for k in step_wide})
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         tokens, slots = (int(n) for n in all_reduce_host(torch.tensor([sum(lengths), slots]), self.groups.dp))
         return StepResult(metrics, tokens, slots, time.perf_counter() - start)
 
-    def _micro_step(self, micro, lengths, g_seqs, g_toks, device, seed):
+    def _micro_step(self, micro, lengths, g_seqs, g_toks, device):
         rows = len(lengths)
         num_rows = round_to_bucket(rows, self.grid.rows, self.grid.per_octave)
         if self.cfg.packing.mode == PackingMode.none:
             data = pad_to_bucket(micro, rows, num_rows, self.grid)
             shape = tuple(data["input_ids"].shape)
             self.buckets.add(shape)
-            noise = self._noise((shape[0], shape[1] + -shape[1] % (2 * self.groups.sizes[1])), seed, device)
-            return (*self._run(data, noise=noise, g_seqs=g_seqs, g_toks=g_toks), shape[0] * shape[1])
+            return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks), shape[0] * shape[1])
         cu, cu_padded = packed_boundaries(lengths, self.cfg.packing.pad_to_multiple)
         layout = PackedLayout.build(cu, cu_padded, grid=self.grid, device=device, context_parallel_group=self.groups.cp)
         data = layout.pad_data(micro)
         self.buckets.add((layout.tokens,) + tuple(data["input_ids"].shape))
-        noise = self._noise((1, layout.tokens), seed, device)
-        return (*self._run(layout, data, noise=noise, g_seqs=g_seqs, g_toks=g_toks), layout.tokens)
+        return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks), layout.tokens)
 
-    def _noise(self, shape, seed, device):
-        """The drafter's anchor noise for one micro-batch (host side), or None without one."""
-        return None if self.draft_runtime is None else anchor_noise(shape, seed, device)
-
-    def _run(self, *inputs, noise, g_seqs, g_toks):
+    def _run(self, *inputs, g_seqs, g_toks):
         if self._model_outside:
             logits, _ = self._logits(self.model, *inputs)
             return self._compiled(logits, *inputs, g_seqs, g_toks)
-        return self._compiled(self.model, *inputs, noise, g_seqs, g_toks)
+        return self._compiled(self.model, *inputs, g_seqs, g_toks)
 
 
 def build_train_step(

@@ -198,6 +198,7 @@ def _reference_loss(runtime: DFlashRuntime, batch: DraftBatch, n_slots: int):
     teacher_all = batch.teacher_logits.flatten(0, 1).double()[:, sorted(targets)]
     terms = {"ce": 0.0, "tv": 0.0, "conf": 0.0, "w": 0.0, "n": 0.0, "tau": 0.0, "blocks": 0.0}
     accept_num, accept_den = [0.0] * runtime.gamma, [0.0] * runtime.gamma
+    agree = [0.0] * runtime.gamma
     for n, p in enumerate(chosen):
         prefix, alive = 1.0, True
         for j in range(1, cfg.block_size):
@@ -223,6 +224,7 @@ def _reference_loss(runtime: DFlashRuntime, batch: DraftBatch, n_slots: int):
             terms["tau"] += prefix
             accept_num[j - 1] += float(a)
             accept_den[j - 1] += 1
+            agree[j - 1] += float(logits[n, j].argmax() == q.argmax())
         if mask[p + 1] and int(ids[p + 1]) in targets:
             terms["tau"] += 1
             terms["blocks"] += 1
@@ -235,6 +237,8 @@ def _reference_loss(runtime: DFlashRuntime, batch: DraftBatch, n_slots: int):
     for k in range(runtime.gamma):
         metrics[f"draft_accept_rate_num@{k + 1}"] = accept_num[k]
         metrics[f"draft_accept_rate_den@{k + 1}"] = accept_den[k]
+        metrics[f"draft_acc_num@{k + 1}"] = agree[k]
+        metrics[f"draft_acc_den@{k + 1}"] = accept_den[k]
     return loss, metrics, len(chosen)
 
 
