@@ -270,7 +270,11 @@ def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[tuple[s
     if not full and not any(d in opts for d in dims):
         return [row[:4] + (backend or row[4],) for row in SUBSET], 50, 5
     choices = [opts.get(d, list(every)) for d, every in zip(dims, (LOSSES, PACKINGS, DRAFTS, DTYPES))]
-    return [row + (backend or "inductor",) for row in itertools.product(*choices)], 200, 20
+    # a drafter reads the policy's logits: the value loss trains without one
+    rows = [row for row in itertools.product(*choices) if row[0] != "mse_value" or row[2] == "none"]
+    if not rows:
+        raise SystemExit("loss=mse_value trains a value head and takes no drafter: use draft=none")
+    return [row + (backend or "inductor",) for row in rows], 200, 20
 
 
 def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int) -> list[Drive]:

@@ -50,18 +50,18 @@ def draft_vocab_map(config: Any, model: ModelConfig) -> torch.Tensor | None:
 
 
 def build_draft_runtime(
-    option: Any, model: ModelConfig, policy: torch.nn.Module | None = None
+    option: Any, model: ModelConfig, policy: torch.nn.Module | None = None, dp_group: Any = None
 ) -> DraftRuntimeBase | None:
     """The draft runtime a `draft` option describes for the policy `model` (None for
     `draft=none`): the drafter's token embedding copied from `policy.embed` (frozen), on
-    the policy's device. Errors name the option."""
+    the policy's device; its denominators summed over `dp_group`. Errors name the option."""
     config = draft_config(option)
     if config is None:
         return None
     builder = DRAFT_KINDS[type(option)][1]
     embedding = None if policy is None else policy.embed.weight
     try:
-        return builder(config, model, embedding, draft_vocab_map(config, model))
+        return builder(config, model, embedding, draft_vocab_map(config, model), dp_group)
     except ValueError as e:
         raise ConfigError(f"draft={option.name}: {e}") from None
 

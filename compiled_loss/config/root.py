@@ -98,11 +98,6 @@ class Config:
         )
         if self.draft.name != "none":
             require(
-                tp * cp * dp == 1,
-                f"draft={self.draft.name} trains the drafter in a single process; got parallel.tp={tp}, "
-                f"parallel.cp={cp}, parallel.dp={dp}",
-            )
-            require(
                 family != "value",
                 f"draft={self.draft.name} reads the policy's logits; loss={name} trains a value head",
             )

@@ -61,7 +61,7 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     policy = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family == "distillation" else None
-    drafter = build_draft_runtime(cfg.draft, cfg.model, policy)
+    drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
     trained = [p for m in (policy, drafter) if m is not None for p in m.parameters() if p.requires_grad]
     o = cfg.optim
     optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)

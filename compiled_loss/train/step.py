@@ -24,13 +24,17 @@ whose averaged gradients the loss scale `tp · dp` turns into the single-process
 DDP's forward does not trace, so it runs eagerly around the compiled model
 (`CompiledModule`) and the loss compiles as a graph of its own.
 
-Co-trained drafter (`draft_runtime`, single process): the model also returns its hidden
-states (`forward(..., return_hidden=True) -> (logits, [after the embedding, after layer 0,
-…])`); the step hands the runtime a `DraftBatch` of what the forward captured — detached,
-so the policy's gradients do not depend on the drafter — plus per-token anchor noise drawn
-on the host from `anchor_seed(dp_rank, global batch, micro-batch)` (the same noise for a
-token in every packing mode), and adds `loss_weight × draft loss` in the same compiled
-graph. The drafter's gradients are clipped on their own.
+Co-trained drafter (`draft_runtime`): the model also returns its hidden states
+(`forward(..., return_hidden=True) -> (logits, [after the embedding, after layer 0, …])`);
+the step hands the runtime a `DraftBatch` of what the forward captured — detached, so the
+policy's gradients do not depend on the drafter — plus per-token anchor noise drawn on the
+host from `anchor_seed(dp_rank, global batch, micro-batch)` (the same noise for a token in
+every packing mode and on every TP / CP peer), and adds `loss_weight × draft loss` in the
+same compiled graph. In parallel runs every rank of a replica computes the same draft loss
+on the full sequences (the TP teacher shards all-gathered to the full vocabulary; the
+runtime's denominators summed over DP), and the drafter — replicated outside DDP — has its
+gradients summed over the ranks after the backward. The drafter's gradients are clipped on
+their own.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from compiled_loss.packing import (
 )
 from compiled_loss.packing.context import ContextShards
 from compiled_loss.parallel import group_size
+from compiled_loss.parallel.collectives import all_gather
 from compiled_loss.train.compile import CompiledModule, compile_loss
 from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, combine_over
 from compiled_loss.train.recorder import CompileRecorder
@@ -114,18 +119,19 @@ def _padded_logits(model, data, *, temperature, cp, aux_layers=None):
     """Model forward on the padded `[B_b, S_b]` micro-batch (rows padded to a multiple of
     2·cp; this TP rank's vocabulary shard), this CP rank's positions of it, and the
     drafter's `DraftBatch` (or None)."""
-    ids = data["input_ids"]
     cp_size = group_size(cp)
-    ids = torch.nn.functional.pad(ids, (0, -ids.shape[1] % (2 * cp_size)))
+    pad = -data["input_ids"].shape[1] % (2 * cp_size)
+    ids = torch.nn.functional.pad(data["input_ids"], (0, pad))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     if aux_layers is None:
         logits, batch = _captured(model, ids, positions, torch.zeros_like(ids), aux_layers=None)
-    else:  # a drafter trains in a single process: no context-parallel padding here
+    else:  # the drafter reads whole rows (the context-parallel padding masked out)
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
         logits, batch = _captured(
             model, ids, positions, torch.zeros_like(ids), aux_layers=aux_layers,
             documents=torch.where(positions < data["input_lengths"][:, None], rows, -1),
-            loss_mask=data["token_mask"] * data["sample_mask"][:, None], noise=data["anchor_noise"],
+            loss_mask=torch.nn.functional.pad(data["token_mask"] * data["sample_mask"][:, None], (0, pad)),
+            noise=torch.nn.functional.pad(data["anchor_noise"], (0, pad)),
         )
     if cp_size > 1:
         rows, width = ids.shape
@@ -141,16 +147,29 @@ def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
     )
 
 
-def _model_and_loss(model, *inputs, logits_fn, loss_fn, runtime=None, n_slots=1):
+def _with_draft(loss, metrics, batch: DraftBatch, *, runtime, n_slots, tp=None):
+    """The policy loss plus the drafter's (on the full vocabulary: a TP rank's teacher shard
+    is all-gathered; every TP / CP rank of a replica computes the same draft loss)."""
+    if group_size(tp) > 1:
+        teacher = all_gather(batch.teacher_logits, tp).movedim(0, -2).flatten(-2)
+        batch = dataclasses.replace(batch, teacher_logits=teacher)
+    draft, draft_metrics = runtime.draft_loss(batch, n_slots)
+    loss, metrics = with_draft_loss(loss, metrics, draft, runtime.loss_weight)
+    return loss, {**metrics, **draft_metrics}
+
+
+def _model_and_loss(model, *inputs, logits_fn, loss_fn, draft=None):
     """The model forward, the loss and the drafter's loss of one micro-batch: one compiled graph."""
     *layout_and_data, g_seqs, g_toks = inputs
     logits, batch = logits_fn(model, *layout_and_data)
     loss, metrics = loss_fn(logits, *layout_and_data, g_seqs, g_toks)
-    if runtime is None:
-        return loss, metrics
-    draft, draft_metrics = runtime.draft_loss(batch, n_slots)
-    loss, metrics = with_draft_loss(loss, metrics, draft, runtime.loss_weight)
-    return loss, {**metrics, **draft_metrics}
+    return (loss, metrics) if draft is None else draft(loss, metrics, batch)
+
+
+def _loss_and_draft(logits, batch, *inputs, loss_fn, draft):
+    """The loss and the drafter's loss of one micro-batch, the model having run apart."""
+    loss, metrics = loss_fn(logits, *inputs)
+    return draft(loss, metrics, batch)
 
 
 def split_rows(rows: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -187,8 +206,6 @@ class TrainStep:
         self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
         self.draft_runtime, self.global_batch = draft_runtime, -1
         tp, cp, dp = groups.sizes
-        if draft_runtime is not None and groups.rank_count > 1:
-            raise ValueError(f"a draft runtime trains in a single process (parallel sizes 1), got {groups.sizes}")
         capture = dict(aux_layers=draft_runtime.aux_layers) if draft_runtime is not None else {}
         # DDP averages the replicas' gradients over all tp·cp·dp ranks; their sum, divided by
         # cp (each CP rank's logit gradient is cp × its share, ref §10), is the gradient
@@ -216,10 +233,12 @@ class TrainStep:
         # Parallel runs replicate the model with DistributedDataParallel, whose forward does
         # not trace: DDP runs eagerly around the compiled model, and the loss compiles alone
         self._model_outside = groups.rank_count > 1
-        fn = loss if self._model_outside else functools.partial(
-            _model_and_loss, logits_fn=self._logits, loss_fn=loss, runtime=draft_runtime,
-            n_slots=cfg.run.micro_batches,
-        )
+        draft = None if draft_runtime is None else functools.partial(
+            _with_draft, runtime=draft_runtime, n_slots=cfg.run.micro_batches, tp=groups.tp)
+        if not self._model_outside:
+            fn = functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss, draft=draft)
+        else:
+            fn = loss if draft is None else functools.partial(_loss_and_draft, loss_fn=loss, draft=draft)
         c = cfg.compile
         self.recorder = CompileRecorder(c.backend, "train step", c.mode) if c.enabled else None
         self.model_recorder = CompileRecorder(c.backend, "model", c.mode) if c.enabled and self._model_outside else None
@@ -280,6 +299,8 @@ class TrainStep:
             (loss * self.loss_scale).backward()
             parts.append(metrics)
             slots += micro_slots
+        if self.draft_runtime is not None and self._model_outside:
+            self._sync_drafter_grads()
         step_wide: dict[str, Tensor] = {}
         if self.cfg.optim.grad_clip is not None:  # the drafter's parameters are clipped on their own
             step_wide["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -295,6 +316,19 @@ class TrainStep:
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         tokens, slots = (int(n) for n in all_reduce_host(torch.tensor([sum(lengths), slots]), self.groups.dp))
         return StepResult(metrics, tokens, slots, time.perf_counter() - start)
+
+    @torch.no_grad()
+    def _sync_drafter_grads(self) -> None:
+        """The drafter is replicated on every rank outside DDP: each TP / CP rank of a replica
+        holds `loss_scale ×` its replica's gradient, so the sum over all ranks divided by
+        `loss_scale · tp · cp` is the sum over the replicas — the single-process gradient."""
+        tp, cp, _ = self.groups.sizes
+        grads = [p.grad for p in self.draft_runtime.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= self.loss_scale * tp * cp
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     def _micro_step(self, micro, lengths, g_seqs, g_toks, device):
         rows = len(lengths)
@@ -312,7 +346,9 @@ class TrainStep:
 
     def _run(self, *inputs, g_seqs, g_toks):
         if self._model_outside:
-            logits, _ = self._logits(self.model, *inputs)
+            logits, batch = self._logits(self.model, *inputs)
+            if batch is not None:
+                return self._compiled(logits, batch, *inputs, g_seqs, g_toks)
             return self._compiled(logits, *inputs, g_seqs, g_toks)
         return self._compiled(self.model, *inputs, g_seqs, g_toks)
 

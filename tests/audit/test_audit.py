@@ -42,28 +42,33 @@ def test_clean_target_passes(tmp_path):
 
 
 def test_project_matrix_passes(tmp_path):
-    code, rows = run(tmp_path, "loss=clipped_pg,distillation", "packing=per_sequence,fused", "dtype=bf16",
-                     "batches=6", "steps=2", "backend=eager")
+    code, rows = run(tmp_path, "loss=clipped_pg,distillation", "packing=per_sequence,fused", "draft=none",
+                     "dtype=bf16", "batches=6", "steps=2", "backend=eager")
     assert code == 0
     assert len(rows) == 8 and all(r["failures"] == [] and r["compiles"] >= 1 for r in rows)
     assert "| configuration |" in (tmp_path / "audit.md").read_text()
 
 
 def test_default_run_is_the_representative_subset():
-    from compiled_loss.audit.cli import DTYPES, LOSSES, PACKINGS, configurations
+    from compiled_loss.audit.cli import DRAFTS, DTYPES, LOSSES, PACKINGS, configurations
 
     rows, batches, steps = configurations({}, full=False)
-    assert (len(rows), batches, steps) == (9, 50, 5)
+    assert (len(rows), batches, steps) == (11, 50, 5)
     assert {r[0] for r in rows} == set(LOSSES) and {r[1] for r in rows} == set(PACKINGS)
+    assert {r[2] for r in rows} == set(DRAFTS)
     assert {r[3] for r in rows} == set(DTYPES) and {r[4] for r in rows} == {"inductor", "aot_eager"}
     full, batches, steps = configurations({}, full=True)
-    assert (len(full), batches, steps) == (len(LOSSES) * len(PACKINGS) * len(DTYPES), 200, 20)
+    value_with_draft = len(PACKINGS) * (len(DRAFTS) - 1) * len(DTYPES)  # refused: a value head has no drafter
+    assert (len(full), batches, steps) == (
+        len(LOSSES) * len(PACKINGS) * len(DRAFTS) * len(DTYPES) - value_with_draft, 200, 20)
+    assert all(r[2] == "none" for r in full if r[0] == "mse_value")
     chosen, _, _ = configurations({"loss": ["dpo"], "backend": ["eager"]}, full=False)
-    assert chosen == [("dpo", p, "none", d, "eager") for p in PACKINGS for d in DTYPES]
+    assert chosen == [("dpo", p, r, d, "eager") for p in PACKINGS for r in DRAFTS for d in DTYPES]
 
 
 def test_distributed_mode_reports_every_rank(tmp_path):
-    """`torchrun … compiled_loss.audit.cli tp=2`: every rank's training step, one row each."""
+    """`torchrun … compiled_loss.audit.cli tp=2`: every rank's training step (the compiled loss and
+    the model, which DDP keeps apart), with and without a co-trained drafter."""
     import subprocess
     import sys
 
@@ -74,5 +79,7 @@ def test_distributed_mode_reports_every_rank(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "audit.json").read_text())
-    assert [r["name"].split(" ")[:2] for r in rows] == [["rank", "0"], ["rank", "0"], ["rank", "1"], ["rank", "1"]]
+    drafts = [r["name"].split(" ")[2].split("/")[2] for r in rows]
+    assert [r["name"].split(" ")[:2] for r in rows] == [["rank", "0"]] * 6 + [["rank", "1"]] * 6
+    assert drafts == ["none", "none", "eagle3", "eagle3", "dflash", "dflash"] * 2
     assert all(r["failures"] == [] and 1 <= r["compiles"] <= r["buckets"] for r in rows)
