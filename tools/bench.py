@@ -1,4 +1,5 @@
-"""`python tools/bench.py`: speed and peak memory of a packed GRPO loss, side by side.
+"""`python tools/bench.py`: speed and peak memory of a packed GRPO loss, side by side
+(`python tools/bench.py head --help`: the LM head + loss from hidden states, beside Liger).
 
 One run measures, per shape (packed logits `[1, T, V]`, `seqs` sequences, dtype) and per
 direction (`fwd`: the forward half of a training step, logits requiring grad, autograd
@@ -13,9 +14,11 @@ calls, for:
                 `.item()`s every metric and sums the losses;
 - `b_eager`     compiled_loss `SequencePackingFusionLossWrapper(ClippedPGLossFn(...))`, eager;
 - `c_compiled`  the same call under `torch.compile(fullgraph=True)` (inductor);
-- `d_proxy`     the physical-limit proxy, compiled, under `no_grad`: `fwd` = one read of
-                the logits (`logits.sum()`); `fwd+bwd` = one read plus one write of a
-                logits-sized tensor in the logits dtype (`-logits`: writing the gradient);
+- `d_proxy`     the machine's limit for any log-softmax, compiled, under `no_grad`: `fwd`
+                = one pass that reads every logit and takes its exponential
+                (`exp(logits).sum(-1)`; on a CPU the exponentials, not the memory reads,
+                bound it); `fwd+bwd` = that pass plus a second one that writes a
+                logits-sized gradient (`exp(logits - s)`, in the logits dtype);
 - `lp_compiled` compiled `compiled_loss.vocab.token_logprobs` alone (`fwd+bwd`: backward
                 of its sum), against the proxy;
 - `c_topp`      `c_compiled` with the generation-time filter `top_p=0.9` (nucleus
@@ -302,12 +305,12 @@ def _packed_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return token_logprobs(logits[0], targets)  # [1, T, V] -> [T], as the fused wrapper slices
 
 
-def _read(x: torch.Tensor) -> torch.Tensor:
-    return x.sum()
+def _exp_pass(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.float()).sum(-1)
 
 
-def _read_write(x: torch.Tensor) -> torch.Tensor:
-    return -x
+def _exp_pass_and_write(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.float() - torch.exp(x.float()).sum(-1, keepdim=True).log()).to(x.dtype)
 
 
 def make_runners(variant: str, inp: Inputs) -> dict[str, Callable[[], float]]:
@@ -316,7 +319,8 @@ def make_runners(variant: str, inp: Inputs) -> dict[str, Callable[[], float]]:
     variant share one compiled callable."""
     logits = inp.logits
     if variant == "d_proxy":
-        proxies = {"fwd": torch.compile(_read, fullgraph=True), "fwd+bwd": torch.compile(_read_write, fullgraph=True)}
+        proxies = {"fwd": torch.compile(_exp_pass, fullgraph=True),
+                   "fwd+bwd": torch.compile(_exp_pass_and_write, fullgraph=True)}
 
         @torch.no_grad()
         def run_proxy(direction: str) -> float:
@@ -533,8 +537,8 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
           and not math.isnan(r["ratio_to_d"])]
     if lp:
         worst = max(lp, key=lambda r: r["ratio_to_d"])
-        print(f"  [{_mark(1 / worst['ratio_to_d'] >= 0.5)}] compiled logprob >= 0.5x the speed of the "
-              f"one-read proxy (fwd): {1 / worst['ratio_to_d']:.2f}x (worst: T={worst['tokens']} "
+        print(f"  [{_mark(1 / worst['ratio_to_d'] >= 0.9)}] compiled logprob >= 0.9x the speed of the "
+              f"machine's limit (fwd): {1 / worst['ratio_to_d']:.2f}x (worst: T={worst['tokens']} "
               f"V={worst['vocab']} seqs={worst['seqs']} {worst['dtype']})")
     for variant, what in (("c_compiled", "compiled loss"), ("c_topp", f"compiled loss with top_p={TOP_P}")):
         mem = [r for r in rows if r["variant"] == variant]
@@ -615,6 +619,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["head"]:  # the LM head + loss from hidden states (tools/bench_head.py)
+        import bench_head
+
+        bench_head.main(argv[1:])
+        return
     args = parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)

@@ -16,6 +16,7 @@ had already compiled.
     compiled-loss-audit                                   # the representative subset
     compiled-loss-audit --full                            # every loss × packing × draft × dtype
     compiled-loss-audit loss=clipped_pg,dpo packing=fused dtype=bf16 batches=50
+    compiled-loss-audit head=linear loss=clipped_pg,distillation   # the fused LM head (LinearLogits)
     compiled-loss-audit --target mypkg.losses:my_loss --inputs mypkg.losses:samples
     torchrun --nproc-per-node 4 -m compiled_loss.audit.cli tp=2 cp=2 loss=clipped_pg packing=fused
 
@@ -144,29 +145,40 @@ def drive(name: str, fn: Callable[..., Any], samples: Iterable[tuple[Any, Any, A
 # ---- the project's own matrix ---------------------------------------------------------
 
 
-def _config(loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int, sizes=(1, 1, 1)):
+def _config(loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int, sizes=(1, 1, 1),
+            linear: bool = False):
     from compiled_loss.app import compose_config
 
     overrides = [f"loss={loss}", f"packing={packing}", f"draft={draft}", f"compile.backend={backend}",
                  f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}", f"run.steps={steps}", *_SIZES,
-                 *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes))]
+                 *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes)),
+                 *(["logprob.fused_linear=true"] if linear else [])]
     return compose_config(*overrides)
 
 
 def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
     """`(bucket, args, kwargs)` for the packing wrapper (or the unpacked loss) on synthetic
-    RL micro-batches with random logits."""
+    RL micro-batches with random logits (`logprob.fused_linear`: random hidden states and
+    LM head, as `LinearLogits`)."""
     from compiled_loss.config import PackingMode, build_loss, loss_family
     from compiled_loss.demo.data import sample_batch
     from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input
     from compiled_loss.packing import PackedLayout, pad_to_bucket, round_to_bucket
     from compiled_loss.train.step import packed_boundaries
+    from compiled_loss.vocab import LinearLogits
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     loss_fn = build_loss(cfg.loss)
     family = loss_family(cfg.loss)
     mode, grid = cfg.packing.mode, cfg.packing.grid()
     vocab = 1 if family == "value" else cfg.model.vocab_size
+
+    def random_logits(*positions: int):
+        if not cfg.logprob.fused_linear:
+            return torch.randn(*positions, vocab, generator=gen).to(dtype).requires_grad_()
+        hidden = torch.randn(*positions, cfg.model.hidden_size, generator=gen).to(dtype).requires_grad_()
+        return LinearLogits(hidden, torch.randn(vocab, cfg.model.hidden_size, generator=gen).to(dtype).requires_grad_())
+
     for _ in range(batches):
         batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo")
         lengths = batch.pop("input_lengths").tolist()  # host
@@ -174,14 +186,14 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
         rows = len(lengths)
         if mode == PackingMode.none:
             data = pad_to_bucket(data, rows, round_to_bucket(rows, grid.rows, grid.per_octave), grid)
-            logits = torch.randn(*data["input_ids"].shape, vocab, generator=gen).to(dtype).requires_grad_()
+            logits = random_logits(*data["input_ids"].shape)
             bucket = tuple(logits.shape)
             yield bucket, (logits, data, loss_fn, prepare_loss_input, None), {}
         else:
             cu, cu_padded = packed_boundaries(lengths, cfg.packing.pad_to_multiple)
             layout = PackedLayout.build(cu, cu_padded, grid=grid)
             data = layout.pad_data(data)
-            logits = torch.randn(1, layout.tokens, vocab, generator=gen).to(dtype).requires_grad_()
+            logits = random_logits(1, layout.tokens)
             bucket = (layout.tokens,) + tuple(data["input_ids"].shape)
             prepare = prepare_packed_loss_input if mode == PackingMode.fused else prepare_loss_input
             yield bucket, (logits, data, loss_fn, prepare, layout), {"fused": mode == PackingMode.fused}
@@ -264,25 +276,32 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
 
 def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[tuple[str, ...]], int, int]:
     """The (loss, packing, draft, dtype, backend) rows to audit, and the default batches and
-    steps: the subset (50, 5), or — `--full` or any matrix choice — the matrix (200, 20)."""
+    steps: the subset (50, 5), or — `--full` or any matrix choice — the matrix (200, 20).
+    `head=linear` keeps the rows the fused LM head serves (no value head, no drafter)."""
     dims = ("loss", "packing", "draft", "dtype")
     backend = opts.get("backend", [None])[0]
     if not full and not any(d in opts for d in dims):
-        return [row[:4] + (backend or row[4],) for row in SUBSET], 50, 5
-    choices = [opts.get(d, list(every)) for d, every in zip(dims, (LOSSES, PACKINGS, DRAFTS, DTYPES))]
-    # a drafter reads the policy's logits: the value loss trains without one
-    rows = [row for row in itertools.product(*choices) if row[0] != "mse_value" or row[2] == "none"]
+        rows, batches, steps = [row[:4] + (backend or row[4],) for row in SUBSET], 50, 5
+    else:
+        choices = [opts.get(d, list(every)) for d, every in zip(dims, (LOSSES, PACKINGS, DRAFTS, DTYPES))]
+        # a drafter reads the policy's logits: the value loss trains without one
+        rows = [row + (backend or "inductor",) for row in itertools.product(*choices)
+                if row[0] != "mse_value" or row[2] == "none"]
+        batches, steps = 200, 20
+    if opts.get("head") == ["linear"]:  # the fused LM head: no value head, no drafter (it reads the logits)
+        rows = [row for row in rows if row[0] != "mse_value" and row[2] == "none"]
     if not rows:
-        raise SystemExit("loss=mse_value trains a value head and takes no drafter: use draft=none")
-    return [row + (backend or "inductor",) for row in rows], 200, 20
+        raise SystemExit("no configuration to audit: loss=mse_value takes no drafter and no head=linear, and "
+                         "head=linear takes no drafter")
+    return rows, batches, steps
 
 
-def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int) -> list[Drive]:
+def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int, linear: bool = False) -> list[Drive]:
     drives = []
     for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
-        label = f"{loss}/{packing}/{draft}/{dtype}"
+        label = f"{loss}/{packing}/{draft}/{dtype}{'/linear' if linear else ''}"
         print(f"[{i}/{len(rows)}] {label} ({backend})", flush=True)
-        cfg = _config(loss, packing, draft, dtype, backend, steps)
+        cfg = _config(loss, packing, draft, dtype, backend, steps, linear=linear)
         found = []
         if draft == "none":  # the wrapper does not read the drafter: audited once per loss / packing / dtype
             samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
@@ -296,7 +315,8 @@ def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int) -> list[
     return drives
 
 
-def audit_distributed(rows: list[tuple[str, ...]], steps: int, sizes: tuple[int, int, int]) -> list[Drive]:
+def audit_distributed(rows: list[tuple[str, ...]], steps: int, sizes: tuple[int, int, int],
+                      linear: bool = False) -> list[Drive]:
     """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp)
     groups; every rank returns every rank's drives (the step's loss graph, and the model,
     which compiles apart around DDP), labelled with their rank."""
@@ -309,10 +329,10 @@ def audit_distributed(rows: list[tuple[str, ...]], steps: int, sizes: tuple[int,
     groups = init_parallel(ParallelConfig(tp=tp, cp=cp, dp=dp))
     mine: list[Drive] = []
     for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
-        label = f"{loss}/{packing}/{draft}/{dtype} tp{tp}cp{cp}dp{dp}"
+        label = f"{loss}/{packing}/{draft}/{dtype}{'/linear' if linear else ''} tp{tp}cp{cp}dp{dp}"
         if groups.rank == 0:
             print(f"[{i}/{len(rows)}] {label} ({backend}, {tp * cp * dp} ranks)", flush=True)
-        cfg = _config(loss, packing, draft, dtype, backend, steps, sizes)
+        cfg = _config(loss, packing, draft, dtype, backend, steps, sizes, linear)
         mine += _audit_step(cfg, f"rank {groups.rank} {label} step", seed=i, groups=groups)
     gathered: list[Any] = [None] * groups.rank_count
     dist.all_gather_object(gathered, mine)
@@ -387,7 +407,7 @@ def markdown(drives: list[Drive]) -> str:
 
 
 def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
-    allowed = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES}
+    allowed = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES, "head": ("logits", "linear")}
     scalars = ("batches", "steps", "backend", "tp", "cp", "dp")
     out: dict[str, list[str]] = {}
     for item in items:
@@ -400,6 +420,8 @@ def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
             bad = [v for v in values if v not in allowed[key]]
             if bad:
                 raise SystemExit(f"{key}={','.join(bad)}: not a valid choice; valid choices: {list(allowed[key])}")
+        if key == "head" and len(values) != 1:
+            raise SystemExit(f"head={value}: one value, logits or linear (a run audits one LM-head path)")
         out[key] = values
     return out
 
@@ -409,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "overrides", nargs="*",
-        help="loss=…, packing=…, draft=…, dtype=…, batches=N, steps=N, backend=…; tp=N cp=N dp=N under torchrun",
+        help="loss=…, packing=…, draft=…, dtype=…, head=logits|linear, batches=N, steps=N, backend=…; tp=N cp=N "
+             "dp=N under torchrun",
     )
     parser.add_argument("--target", help="audit a callable instead: package.module:function")
     parser.add_argument("--inputs", help="with --target: package.module:factory returning (args, kwargs) samples")
@@ -419,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     opts = _parse_overrides(args.overrides)
     sizes = tuple(int(opts.get(k, ["1"])[0]) for k in ("tp", "cp", "dp"))
+    linear = opts.get("head") == ["linear"]
     lead = int(os.environ.get("RANK", "0")) == 0
     if lead:
         print(HEADER, flush=True)
@@ -430,13 +454,14 @@ def main(argv: list[str] | None = None) -> int:
         print(_line(drives[0]))
     elif sizes != (1, 1, 1):
         rows, _, steps = configurations(opts, args.full)
-        drives = audit_distributed(rows, int(opts.get("steps", [steps])[0]), sizes)
+        drives = audit_distributed(rows, int(opts.get("steps", [steps])[0]), sizes, linear)
         if lead:
             for d in drives:
                 print(_line(d), flush=True)
     else:
         rows, batches, steps = configurations(opts, args.full)
-        drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]))
+        drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]),
+                              linear)
     failing = [d for d in drives if d.failures()]
     if not lead:
         return 1 if failing else 0

@@ -48,13 +48,17 @@ class Config:
         name, family = self.loss.name, loss_family(self.loss)
         logprob = self.logprob
         if loss.input_type != LossInputType.LOGPROB:
-            for key, value, default in (("top_k", logprob.top_k, None), ("top_p", logprob.top_p, 1.0),
-                                        ("chunk_size", logprob.chunk_size, None)):
+            for key, value, default in (("top_k", logprob.top_k, None), ("top_p", logprob.top_p, 1.0)):
                 require(
                     value == default,
                     f"logprob.{key}={value} applies to log-prob losses only; loss={name} reads "
                     f"{loss.input_type.value} inputs",
                 )
+        require(
+            logprob.chunk_size is None or loss.input_type in (LossInputType.LOGPROB, LossInputType.DISTILLATION),
+            f"logprob.chunk_size={logprob.chunk_size} applies to log-prob and distillation losses; loss={name} "
+            f"reads {loss.input_type.value} inputs",
+        )
         require(
             family != "value" or logprob.temperature == 1.0,
             f"logprob.temperature={logprob.temperature} has no meaning for loss={name} (a value head)",
@@ -96,6 +100,16 @@ class Config:
             f"data.prompts={self.data.prompts} must split evenly over parallel.dp={dp} replicas, each with at "
             f"least run.micro_batches={self.run.micro_batches} {'pairs' if pairs else 'rows'}",
         )
+        if self.logprob.fused_linear:
+            require(
+                family != "value",
+                f"logprob.fused_linear=true computes the loss from the LM head; loss={name} trains a value head",
+            )
+            require(
+                self.draft.name == "none",
+                f"logprob.fused_linear=true never forms the policy's logits; draft={self.draft.name} reads them as "
+                "its teacher: use draft=none or logprob.fused_linear=false",
+            )
         if self.draft.name != "none":
             require(
                 family != "value",

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiled_loss.config import ModelConfig
+from compiled_loss.vocab import LinearLogits
 
 Tensor = torch.Tensor
 
@@ -39,7 +40,8 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """`forward(input_ids, position_ids, segment_ids) -> logits [R, L, V]` (or values
     `[R, L, 1]` with `value_head=True`, a PPO critic); with `return_hidden=True` also the
-    hidden states after the embedding and after each block.
+    hidden states after the embedding and after each block; with `linear_logits=True` the
+    logits as `LinearLogits` (the final hidden states and the LM head), never formed.
 
     `vocab_shard=(r, n)`: the LM head returns vocabulary shard `r` of `n`, `[R, L, V / n]`
     (tensor parallelism for the loss; the weights stay whole), unless `full_vocab=True`."""
@@ -58,8 +60,8 @@ class TinyLM(nn.Module):
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, segment_ids: Tensor, return_hidden: bool = False,
-        full_vocab: bool = False,
-    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        full_vocab: bool = False, linear_logits: bool = False,
+    ) -> Tensor | LinearLogits | tuple[Tensor, list[Tensor]]:
         length = input_ids.shape[1]
         index = torch.arange(length, device=input_ids.device)
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (index[None, :] <= index[:, None])
@@ -73,5 +75,7 @@ class TinyLM(nn.Module):
         if shards > 1 and not full_vocab:
             rows = weight.shape[0] // shards
             weight = weight[rank * rows : (rank + 1) * rows]
+        if linear_logits:
+            return LinearLogits(self.norm(x), weight)
         logits = F.linear(self.norm(x), weight)
         return (logits, hidden) if return_hidden else logits

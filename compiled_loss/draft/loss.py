@@ -14,7 +14,7 @@ from compiled_loss.losses.common import require_keys
 from compiled_loss.losses.draft_ce import DraftCrossEntropyLossFn, DraftLossStats
 from compiled_loss.packing import PackedLayout
 from compiled_loss.parallel.collectives import all_reduce_sum, sum_context_parallel
-from compiled_loss.vocab import DraftVocab, map_teacher_logits_to_draft_vocab
+from compiled_loss.vocab import DraftVocab, LinearLogits, map_teacher_logits_to_draft_vocab, per_position
 
 Tensor = torch.Tensor
 
@@ -93,7 +93,7 @@ class DraftStepState:
 
 
 def packed_draft_soft_ce(
-    next_token_logits: Tensor,
+    next_token_logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
     global_valid_seqs: Tensor | None,
     global_valid_toks: Tensor,
@@ -113,9 +113,9 @@ def packed_draft_soft_ce(
     require_keys(data, ("token_mask", "sample_mask"), "DraftLossWrapper (packed)")
     layout = layout.on(next_token_logits.device)
     student = layout.slots(student_logits, "student_logits")
-    teacher = map_teacher_logits_to_draft_vocab(
-        layout.next_rows(layout.slots(next_token_logits, "next_token_logits")), draft_vocab,
-        vocab_parallel_rank, vocab_parallel_group,
+    logits = per_position(next_token_logits, lambda x: layout.slots(x, "next_token_logits"))
+    teacher = layout.next_rows(
+        map_teacher_logits_to_draft_vocab(logits, draft_vocab, vocab_parallel_rank, vocab_parallel_group)
     )
     data = layout.pad_data(data)
     mask = layout.local(layout.roll(layout.pack(data["token_mask"] * data["sample_mask"][:, None])))

@@ -4,6 +4,11 @@ Device-agnostic and traceable. All vocab work goes through `compiled_loss.vocab`
 full fp32 copy of `[T, V]` logits is kept (eager mode works in row chunks of `chunk_size`).
 Temperature is not applied here (as in NeMo-RL, where the forward divides the logits
 before the loss); top-k / top-p filtering is.
+
+Wherever logits are taken, `LinearLogits` (hidden states and the LM head) may stand in for
+them: LOGPROB, DISTILLATION and DRAFT inputs are then computed chunk by chunk from the
+hidden states, with no `[T, V]` logits (LOGIT losses read the logits themselves and refuse
+it).
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from compiled_loss.packing.context import ContextShards
 from compiled_loss.parallel import group_rank, group_size
 from compiled_loss.vocab import (
     DraftVocab,
+    LinearLogits,
     TrainingSamplingParams,
     check_chunk_size,
     map_teacher_logits_to_draft_vocab,
     mask_out_neg_inf_logprobs,
     need_top_k_or_top_p_filtering,
-    sampling_threshold,
+    per_position,
     token_logprobs,
     vocab_reduce,
 )
@@ -54,7 +60,7 @@ class _Rows:
     shards: ContextShards | None
 
     @staticmethod
-    def of(logits: Tensor, width: int, context_parallel_group: Any) -> _Rows:
+    def of(logits: Tensor | LinearLogits, width: int, context_parallel_group: Any) -> _Rows:
         cp = group_size(context_parallel_group)
         if cp == 1:
             if logits.shape[1] < width:
@@ -71,11 +77,15 @@ class _Rows:
         shards = ContextShards.of_rows(logits.shape[0], padded, context_parallel_group, logits.device)
         return _Rows(logits.shape[0], width, padded, shards)
 
-    def logits(self, x: Tensor) -> Tensor:
+    def logits(self, x: Tensor | LinearLogits) -> Tensor | LinearLogits:
         """`[B, W, V]` logits → this rank's `[N, V]` rows (a view when W == S)."""
-        if self.shards is None and x.shape[1] > self.width:
-            x = x[:, : self.width]
-        return x.reshape(-1, x.shape[-1])
+
+        def rows(t: Tensor) -> Tensor:
+            if self.shards is None and t.shape[1] > self.width:
+                t = t[:, : self.width]
+            return t.reshape(-1, t.shape[-1])
+
+        return per_position(x, rows)
 
     def local(self, x: Tensor) -> Tensor:
         """A `[B, S, ...]` per-position tensor → this rank's `[N, ...]` entries."""
@@ -92,17 +102,32 @@ class _Rows:
         return y.reshape((self.rows, -1) + tuple(y.shape[1:]))[:, : self.width]
 
 
-def _threshold(
-    rows: Tensor, sampling_params: TrainingSamplingParams | None, group: Any = None
-) -> Tensor | None:
+def _check_linear(logits: Tensor | LinearLogits, loss_fn: Any, who: str) -> None:
+    """LinearLogits stand in for logits wherever only row statistics are taken."""
+    if not isinstance(logits, LinearLogits):
+        return
+    if loss_fn.input_type == LossInputType.LOGIT:
+        raise ValueError(
+            f"{who}: {type(loss_fn).__name__} (a LOGIT loss) reads the logits themselves; pass the logits tensor, "
+            "not LinearLogits"
+        )
+    if getattr(loss_fn, "use_fused_linear_logprobs", False):
+        raise ValueError(
+            f"{who}: with use_fused_linear_logprobs the logits argument holds next-token log-probs [B, S]; "
+            "LinearLogits computes them here instead: pass one or the other"
+        )
+
+
+def _top_k_top_p(sampling_params: TrainingSamplingParams | None) -> tuple[int | None, float] | None:
+    """The vocab primitive's filter for the generation-time sampling parameters (ref §3.3)."""
     if not need_top_k_or_top_p_filtering(sampling_params):
         return None
-    return sampling_threshold(rows, sampling_params.top_k, sampling_params.top_p, group=group)
+    return sampling_params.top_k, sampling_params.top_p
 
 
 def get_next_token_logprobs_from_logits(
     input_ids: Tensor,
-    next_token_logits: Tensor,
+    next_token_logits: Tensor | LinearLogits,
     seq_index: Tensor | None = None,
     vocab_parallel_rank: int | None = None,
     vocab_parallel_group: Any = None,
@@ -114,15 +139,16 @@ def get_next_token_logprobs_from_logits(
 
     `next_token_logits` is `[B, S, V]`, or `[B, S_pad / cp, V / tp]` under context / tensor
     parallelism (each row load-balanced over the CP ranks, the vocabulary sharded over the
-    TP ranks); the result is every position's, on every rank.
+    TP ranks), or `LinearLogits` with hidden states `[B, S(_pad / cp), H]`; the result is
+    every position's, on every rank.
     """
     _check_rank(vocab_parallel_rank, vocab_parallel_group)
     rows, width = input_ids.shape
     view = _Rows.of(next_token_logits, width, context_parallel_group)
     flat = view.logits(next_token_logits)
     targets = view.local(torch.roll(input_ids, -1, 1))  # last column wraps; dropped below
-    threshold = _threshold(flat, sampling_params, vocab_parallel_group)
-    lp = token_logprobs(flat, targets, threshold=threshold, chunk_size=chunk_size, group=vocab_parallel_group)
+    lp = token_logprobs(flat, targets, top_k_top_p=_top_k_top_p(sampling_params), chunk_size=chunk_size,
+                        group=vocab_parallel_group)
     return view.full(lp)[:, :-1]
 
 
@@ -145,7 +171,7 @@ def _with_filter_handling(
 
 
 def get_distillation_topk_logprobs_from_logits(
-    student_logits: Tensor,
+    student_logits: Tensor | LinearLogits,
     teacher_topk_logits: Tensor,
     teacher_topk_indices: Tensor,
     zero_outside_topk: bool,
@@ -153,9 +179,12 @@ def get_distillation_topk_logprobs_from_logits(
     vocab_parallel_rank: int | None = None,
     vocab_parallel_group: Any = None,
     context_parallel_group: Any = None,
+    *,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Student / teacher top-k log-probs `[B, S-1, k]` and `H_all = Σ p log p` (ref §8.9);
-    parallel layouts as in `get_next_token_logprobs_from_logits`, indices are global ids."""
+    parallel layouts as in `get_next_token_logprobs_from_logits`, indices are global ids;
+    `chunk_size`: rows per chunk of the vocab primitive."""
     _check_rank(vocab_parallel_rank, vocab_parallel_group)
     k = teacher_topk_indices.shape[-1]
     if k <= 0:
@@ -164,7 +193,8 @@ def get_distillation_topk_logprobs_from_logits(
     view = _Rows.of(student_logits, width, context_parallel_group)
     flat = view.logits(student_logits)
     index = view.local(teacher_topk_indices.to(device=flat.device, dtype=torch.long))
-    student, entropy = _student_topk(flat, index, zero_outside_topk, calculate_entropy, vocab_parallel_group)
+    student, entropy = _student_topk(flat, index, zero_outside_topk, calculate_entropy, vocab_parallel_group,
+                                     chunk_size)
     student = view.full(student)
     teacher = torch.log_softmax(teacher_topk_logits.to(device=student.device, dtype=student.dtype), -1)
     h_all = None if entropy is None else view.full(entropy)[:, :-1]
@@ -172,22 +202,26 @@ def get_distillation_topk_logprobs_from_logits(
 
 
 def _student_topk(
-    rows: Tensor, index: Tensor, zero_outside_topk: bool, calculate_entropy: bool, group: Any = None
+    rows: Tensor | LinearLogits, index: Tensor, zero_outside_topk: bool, calculate_entropy: bool, group: Any = None,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`[N, k]` student values at teacher indices: full-vocab log-probs (zero_outside_topk)
     or log-probs renormalised over the k gathered logits; plus `Σ p log p` if asked."""
     if zero_outside_topk:
-        stats = vocab_reduce(rows, index, entropy=calculate_entropy, group=group)
+        stats = vocab_reduce(rows, index, entropy=calculate_entropy, chunk_size=chunk_size, group=group)
         return stats.picked - stats.lse[:, None], stats.negent if calculate_entropy else None
-    # the k logits (from whichever vocabulary shard holds them), renormalised over the k by
-    # the same primitive, so rows no loss reads get exactly zero gradient
-    picked = rows.gather(-1, index) if group_size(group) == 1 else vocab_reduce(rows, index, group=group).picked
+    # the k logits (from whichever vocabulary shard holds them; LinearLogits: chunk by chunk),
+    # renormalised over the k by the same primitive, so rows no loss reads get exactly zero gradient
+    if group_size(group) > 1 or isinstance(rows, LinearLogits):
+        picked = vocab_reduce(rows, index, chunk_size=chunk_size, group=group).picked
+    else:
+        picked = rows.gather(-1, index)
     k_way = vocab_reduce(picked, torch.arange(index.shape[-1], device=index.device).expand_as(index))
     return k_way.picked - k_way.lse[:, None], None
 
 
 def _draft_loss_input(
-    logits: Tensor,
+    logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
     d2t: Tensor | DraftVocab | None,
     vocab_parallel_rank: int | None,
@@ -196,8 +230,12 @@ def _draft_loss_input(
 ) -> dict[str, Tensor]:
     """Teacher = policy logits shifted left by one (last slot zero), mapped to the draft
     vocabulary; token mask shifted the same way (ref §5.1 DRAFT). Under context
-    parallelism the shift crosses ranks (ref §8.14) and the mask is this rank's share."""
+    parallelism the shift crosses ranks (ref §8.14) and the mask is this rank's share.
+    `LinearLogits` are mapped first (only the draft vocabulary's rows of the LM head)."""
     require_keys(data, ("token_mask", "student_logits"), "prepare_loss_input (DRAFT)")
+    if isinstance(logits, LinearLogits):
+        logits = map_teacher_logits_to_draft_vocab(logits, d2t, vocab_parallel_rank, vocab_parallel_group).detach()
+        d2t, vocab_parallel_group = None, None  # mapped: the rows are this rank's draft-vocabulary slice
     token_mask = data["token_mask"]
     last = torch.zeros(token_mask.shape[1], dtype=torch.bool, device=token_mask.device)
     last[-1] = True
@@ -214,7 +252,7 @@ def _draft_loss_input(
 
 
 def prepare_loss_input(
-    logits: Tensor,
+    logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
     loss_fn: Any,
     vocab_parallel_rank: int | None = None,
@@ -228,11 +266,13 @@ def prepare_loss_input(
 
     Returns `(loss_input, data)`; `data` is a new dict (with `curr_logprobs_unfiltered`
     added under top-k/top-p when the loss has a reference KL). `d2t` (DRAFT inputs): pass
-    a `DraftVocab` to skip the per-call check of a raw map.
+    a `DraftVocab` to skip the per-call check of a raw map. `logits` may be `LinearLogits`
+    (hidden states `[B, S, H]` and the LM head) for every input type but LOGIT.
     """
     _check_rank(vocab_parallel_rank, vocab_parallel_group)
     check_chunk_size(chunk_size)
     input_type = loss_fn.input_type
+    _check_linear(logits, loss_fn, "prepare_loss_input")
     if input_type == LossInputType.LOGIT:
         if group_size(context_parallel_group) > 1:
             view = _Rows.of(logits, row_width(data), context_parallel_group)
@@ -264,7 +304,7 @@ def prepare_loss_input(
         student, teacher, h_all = get_distillation_topk_logprobs_from_logits(
             logits, data["teacher_topk_logits"], data["teacher_topk_indices"], zero_outside,
             zero_outside and loss_fn.kl_type != "forward", vocab_parallel_rank,
-            vocab_parallel_group, context_parallel_group,
+            vocab_parallel_group, context_parallel_group, chunk_size=chunk_size,
         )
         return {
             "student_topk_logprobs": student,
@@ -284,7 +324,7 @@ def prepare_loss_input(
 
 
 def prepare_packed_loss_input(
-    logits: Tensor,
+    logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
     loss_fn: Any,
     cu_seqlens_q: CpuIntTuple | None,
@@ -305,16 +345,18 @@ def prepare_packed_loss_input(
     (built on the host, see `PackedLayout.build`) is what compiled callers pass; without
     it one is built here from the boundaries (exact shapes, host work). Entries for
     positions past a sequence's last prediction (`t >= L_i - 1`) are left as computed;
-    the packing wrappers zero them.
+    the packing wrappers zero them. `logits` may be `LinearLogits` (hidden states `[1, T, H]`
+    and the LM head) for LOGPROB and DISTILLATION losses.
     """
     _check_rank(vocab_parallel_rank, vocab_parallel_group)
     check_chunk_size(chunk_size)
+    _check_linear(logits, loss_fn, "prepare_packed_loss_input")
     if layout is None:
         if cu_seqlens_q is None:
             raise ValueError("prepare_packed_loss_input needs cu_seqlens_q or a layout")
         layout = PackedLayout.build(cu_seqlens_q, cu_seqlens_q_padded, device=logits.device,
                                     context_parallel_group=context_parallel_group)
-    packed = layout.slots(logits)
+    packed = per_position(logits, layout.slots)
     width = row_width(data)
     input_type = loss_fn.input_type
     tp = vocab_parallel_group
@@ -327,8 +369,7 @@ def prepare_packed_loss_input(
         targets = layout.local(layout.roll(layout.pack(data["input_ids"])))
 
         def logprobs(params, chunk):
-            threshold = _threshold(packed, params, tp)
-            lp = token_logprobs(packed, targets, threshold=threshold, chunk_size=chunk, group=tp)
+            lp = token_logprobs(packed, targets, top_k_top_p=_top_k_top_p(params), chunk_size=chunk, group=tp)
             return layout.unpack(layout.gather(lp), width)[:, :-1]
 
         lp, data = _with_filter_handling(
@@ -345,7 +386,7 @@ def prepare_packed_loss_input(
         zero_outside = loss_fn.zero_outside_topk
         with_entropy = zero_outside and loss_fn.kl_type != "forward"
         student, entropy = _student_topk(packed, layout.local(layout.pack(indices.long())), zero_outside,
-                                         with_entropy, tp)
+                                         with_entropy, tp, chunk_size)
         student = layout.gather(student)
         teacher = torch.log_softmax(data["teacher_topk_logits"].to(student.dtype), -1)
         h_all = None if entropy is None else layout.unpack(layout.gather(entropy), width)[:, :-1]

@@ -13,7 +13,7 @@ import torch
 from compiled_loss.interfaces import LossInputType, LossType
 from compiled_loss.losses.common import require_keys, require_shape
 from compiled_loss.parallel import check_agreement, group_size
-from compiled_loss.vocab import check_chunk_size, linear_vocab_reduce, vocab_reduce
+from compiled_loss.vocab import LinearLogits, check_chunk_size, vocab_reduce
 
 Tensor = torch.Tensor
 
@@ -138,7 +138,7 @@ def projected_streaming_vocab_parallel_soft_ce(
     weights: Tensor | None = None,
 ) -> DraftLossStats:
     """`streaming_vocab_parallel_soft_ce` of the student logits `student_hidden [..., H] @
-    output_weight [V(/tp), H]ᵀ`, fused with the LM-head projection (`linear_vocab_reduce`):
+    output_weight [V(/tp), H]ᵀ`, fused with the LM-head projection (`vocab_reduce` of `LinearLogits`):
     no `[T, V]` student logits exist; the hidden state's gradient is summed over TP. In
     eager mode with a TP group, every rank must hold the same shapes, dtypes, chunk size and
     exactly equal mask, bin ids and weights (a ValueError on every rank otherwise)."""
@@ -157,8 +157,8 @@ def projected_streaming_vocab_parallel_soft_ce(
             tp_group,
         )
     hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
-    stats = linear_vocab_reduce(hidden, output_weight, teacher=teacher_logits.reshape(hidden.shape[0], -1),
-                                chunk_size=token_chunk_size, group=tp_group)
+    stats = vocab_reduce(LinearLogits(hidden, output_weight), teacher=teacher_logits.reshape(hidden.shape[0], -1),
+                         chunk_size=token_chunk_size, group=tp_group)
     return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
 
 

@@ -20,12 +20,13 @@ import torch
 from compiled_loss.interfaces import LossInputType
 from compiled_loss.packing.boundaries import CpuIntTuple
 from compiled_loss.packing.layout import PackedLayout, row_width
+from compiled_loss.vocab.fused import LinearLogits, per_position
 
 Tensor = torch.Tensor
 
 
 def wrap_loss_fn_with_input_preparation(
-    next_token_logits: Tensor,
+    next_token_logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
     global_valid_seqs: Tensor | None,
     global_valid_toks: Tensor | None,
@@ -53,7 +54,7 @@ def wrap_loss_fn_with_input_preparation(
 
 
 def sequence_packing_loss(
-    next_token_logits: Tensor,
+    next_token_logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
     global_valid_seqs: Tensor | None,
     global_valid_toks: Tensor | None,
@@ -68,7 +69,8 @@ def sequence_packing_loss(
     vocab_parallel_group: Any = None,
     context_parallel_group: Any = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss over packed `[1, T, V]` logits and unpacked `[B, S]` data (traceable).
+    """Loss over packed `[1, T, V]` logits (or `LinearLogits` of `[1, T, H]` hidden states)
+    and unpacked `[B, S]` data (traceable).
 
     `fused=False` (per-sequence semantics, any `prepare_fn` of the `prepare_loss_input`
     kind): the packed logits are unpacked to `[B, S, V]` (a gather Inductor fuses into the
@@ -86,7 +88,7 @@ def sequence_packing_loss(
             "sum of per-sequence means"
         )
     layout = layout.on(next_token_logits.device)
-    packed = layout.slots(next_token_logits, "next_token_logits")
+    packed = per_position(next_token_logits, lambda x: layout.slots(x, "next_token_logits"))
     data = layout.truncate(layout.pad_data(data))
     groups = dict(
         vocab_parallel_rank=vocab_parallel_rank,
@@ -99,7 +101,7 @@ def sequence_packing_loss(
             cu_seqlens_q_padded=cu_seqlens_q_padded, layout=layout, **groups,
         )
     else:
-        unpacked = layout.unpack(packed, row_width(data))
+        unpacked = per_position(packed, lambda x: layout.unpack(x, row_width(data)))
         loss_input, data = prepare_fn(logits=unpacked, data=data, loss_fn=loss_fn, **groups)
     loss_input, data = _zero_unevaluated(loss_input, data, layout.valid_mask(row_width(data))[:, 1:])
     return loss_fn(

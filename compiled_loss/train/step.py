@@ -14,7 +14,10 @@ Use it with your own model: any `torch.nn.Module` whose
 `forward(input_ids, position_ids, segment_ids) -> logits` attends causally within a
 segment — `[B, S]` inputs for `packing=none` (one segment per row), `[1, T]` for the
 packed modes (segment = packed sequence, positions restarting at 0 in each). Batches are
-dicts of `[B, S]` tensors with the loss's keys plus `input_lengths` `[B]`.
+dicts of `[B, S]` tensors with the loss's keys plus `input_lengths` `[B]`. With
+`logprob.fused_linear=true` the model is called with `linear_logits=True` and returns
+`LinearLogits(final hidden states, LM-head weight[, bias])`: the loss is then computed
+from them chunk by chunk, and no `[T, V]` logits exist.
 
 Parallel runs (`groups`, see `compiled_loss.train.parallel`): the batch is this
 data-parallel replica's rows; the model returns every position's logits for this rank's
@@ -71,15 +74,19 @@ from compiled_loss.parallel.collectives import all_gather
 from compiled_loss.train.compile import CompiledModule, compile_loss
 from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, combine_over
 from compiled_loss.train.recorder import CompileRecorder
+from compiled_loss.vocab import per_position
 
 Tensor = torch.Tensor
 
 
-def _captured(model, ids, positions, segments, *, aux_layers, documents=None, loss_mask=None, noise=None):
-    """The model forward; with a drafter (`aux_layers`) also the `DraftBatch` it captured:
-    the raw logits (before temperature) and the auxiliary layers' outputs, detached."""
+def _captured(model, ids, positions, segments, *, aux_layers, linear_logits=False, documents=None, loss_mask=None,
+              noise=None):
+    """The model forward (`linear_logits`: the model returns `LinearLogits`); with a drafter
+    (`aux_layers`) also the `DraftBatch` it captured: the raw logits (before temperature)
+    and the auxiliary layers' outputs, detached."""
     if aux_layers is None:
-        return model(ids, positions, segments), None
+        return (model(ids, positions, segments, linear_logits=True) if linear_logits
+                else model(ids, positions, segments)), None
     logits, hidden = model(ids, positions, segments, return_hidden=True)
     batch = DraftBatch(
         input_ids=ids, hidden_states=aux_hidden_states(hidden, aux_layers),
@@ -89,13 +96,14 @@ def _captured(model, ids, positions, segments, *, aux_layers, documents=None, lo
     return logits, batch
 
 
-def _packed_logits(model, layout: PackedLayout, data, *, temperature, aux_layers=None):
+def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_logits=False, aux_layers=None):
     """Model forward on the packed `[1, T_b]` micro-batch (this TP rank's vocabulary shard),
     this CP rank's slots of it, and the drafter's `DraftBatch` (or None)."""
     positions = torch.where(layout.slot_col < layout.tokens, layout.slot_col, 0)
     ids = layout.pack(data["input_ids"])[None]
     if aux_layers is None:
-        logits, batch = _captured(model, ids, positions[None], layout.slot_row[None], aux_layers=None)
+        logits, batch = _captured(model, ids, positions[None], layout.slot_row[None], aux_layers=None,
+                                  linear_logits=linear_logits)
     else:
         real = layout.slot_col < layout.row_len[layout.slot_row]
         logits, batch = _captured(
@@ -104,7 +112,7 @@ def _packed_logits(model, layout: PackedLayout, data, *, temperature, aux_layers
             loss_mask=layout.pack(data["token_mask"] * data["sample_mask"][:, None])[None],
             noise=layout.pack(data["anchor_noise"])[None],
         )
-    logits = layout.local(logits[0])[None]
+    logits = per_position(logits, lambda x: layout.local(x[0])[None])
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 
@@ -115,7 +123,7 @@ def _packed_loss(logits, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn,
     )
 
 
-def _padded_logits(model, data, *, temperature, cp, aux_layers=None):
+def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_layers=None):
     """Model forward on the padded `[B_b, S_b]` micro-batch (rows padded to a multiple of
     2·cp; this TP rank's vocabulary shard), this CP rank's positions of it, and the
     drafter's `DraftBatch` (or None)."""
@@ -124,7 +132,8 @@ def _padded_logits(model, data, *, temperature, cp, aux_layers=None):
     ids = torch.nn.functional.pad(data["input_ids"], (0, pad))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     if aux_layers is None:
-        logits, batch = _captured(model, ids, positions, torch.zeros_like(ids), aux_layers=None)
+        logits, batch = _captured(model, ids, positions, torch.zeros_like(ids), aux_layers=None,
+                                  linear_logits=linear_logits)
     else:  # the drafter reads whole rows (the context-parallel padding masked out)
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
         logits, batch = _captured(
@@ -136,7 +145,7 @@ def _padded_logits(model, data, *, temperature, cp, aux_layers=None):
     if cp_size > 1:
         rows, width = ids.shape
         shards = ContextShards.of_rows(rows, width, cp, ids.device)
-        logits = shards.local(logits.flatten(0, 1)).reshape(rows, width // cp_size, -1)
+        logits = per_position(logits, lambda x: shards.local(x.flatten(0, 1)).reshape(rows, width // cp_size, -1))
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 
@@ -207,6 +216,7 @@ class TrainStep:
         self.draft_runtime, self.global_batch = draft_runtime, -1
         tp, cp, dp = groups.sizes
         capture = dict(aux_layers=draft_runtime.aux_layers) if draft_runtime is not None else {}
+        capture["linear_logits"] = cfg.logprob.fused_linear
         # DDP averages the replicas' gradients over all tp·cp·dp ranks; their sum, divided by
         # cp (each CP rank's logit gradient is cp × its share, ref §10), is the gradient
         self.loss_scale = tp * dp

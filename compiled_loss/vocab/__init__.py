@@ -5,14 +5,16 @@
   full vocabulary or a tensor-parallel shard of it; `token_logprobs` on top of it; the
   global top-k `vocab_topk`; the total variation `total_variation` between two rows'
   distributions;
-- `fused`: `linear_vocab_reduce`, the same statistics straight from hidden states and the
-  LM-head weight, chunked, with no `[N, V]` logits;
+- `fused`: `LinearLogits`, logits held as an LM head's factors (hidden states, weight,
+  bias), which every primitive here accepts: the same statistics, chunked, with no
+  `[N, V]` logits (`linear_vocab_reduce`);
+- `stats`: the statistics' pieces both share;
 - `sampling`: top-k / top-p parameters and keep thresholds;
 - `draft_vocab`: the drafter's draft→target vocabulary map.
 """
 
 from compiled_loss.vocab.draft_vocab import DraftVocab, map_teacher_logits_to_draft_vocab
-from compiled_loss.vocab.fused import linear_vocab_reduce
+from compiled_loss.vocab.fused import LinearLogits, per_position
 from compiled_loss.vocab.reduce import (
     VocabStats,
     check_chunk_size,
@@ -30,13 +32,14 @@ from compiled_loss.vocab.sampling import (
 
 __all__ = [
     "DraftVocab",
+    "LinearLogits",
     "TrainingSamplingParams",
     "VocabStats",
     "check_chunk_size",
-    "linear_vocab_reduce",
     "map_teacher_logits_to_draft_vocab",
     "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",
+    "per_position",
     "sampling_threshold",
     "token_logprobs",
     "total_variation",

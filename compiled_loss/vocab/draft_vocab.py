@@ -14,6 +14,7 @@ import torch
 
 from compiled_loss.parallel import group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather
+from compiled_loss.vocab.fused import LinearLogits
 
 Tensor = torch.Tensor
 
@@ -61,7 +62,7 @@ class DraftVocab:
 
 
 def map_teacher_logits_to_draft_vocab(
-    teacher_logits: Tensor,
+    teacher_logits: Tensor | LinearLogits,
     d2t: Tensor | DraftVocab | None,
     vocab_parallel_rank: int | None = None,
     vocab_parallel_group: Any = None,
@@ -74,19 +75,31 @@ def map_teacher_logits_to_draft_vocab(
     slice of the draft vocabulary is returned `[..., V_draft / tp]` (the draft head is
     sharded the same way). Pass a `DraftVocab` (checked once) to map without a device sync;
     a raw `d2t` tensor is checked on every eager call (one sync) and not under torch.compile.
+    `LinearLogits` (an LM head's factors) give the same logits from the draft vocabulary's
+    rows of the head alone (its weight shards all-gathered under TP): no `[..., V]` logits.
     """
+    linear = isinstance(teacher_logits, LinearLogits)
     if d2t is None:
-        return teacher_logits
-    shards = group_size(vocab_parallel_group)
-    if shards > 1:
-        gathered = all_gather(teacher_logits, vocab_parallel_group)  # [tp, ..., V / tp]
-        teacher_logits = gathered.movedim(0, -2).reshape(teacher_logits.shape[:-1] + (-1,))
+        return teacher_logits.logits() if linear else teacher_logits
+    group = vocab_parallel_group
+    shards = group_size(group)
+    if linear:
+        weight, bias = teacher_logits.weight, teacher_logits.bias
+        if shards > 1:
+            weight = all_gather(weight, group).flatten(0, 1)
+            bias = None if bias is None else all_gather(bias, group).flatten(0, 1)
+        vocab = weight.shape[0]
+    else:
+        if shards > 1:
+            gathered = all_gather(teacher_logits, group)  # [tp, ..., V / tp]
+            teacher_logits = gathered.movedim(0, -2).reshape(teacher_logits.shape[:-1] + (-1,))
+        vocab = teacher_logits.shape[-1]
     if isinstance(d2t, Tensor) and torch.compiler.is_compiling():
         target = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
     else:
-        vocab = d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t)
-        vocab.check_vocab(teacher_logits.shape[-1])
-        target = vocab.target_ids
+        draft_vocab = d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t)
+        draft_vocab.check_vocab(vocab)
+        target = draft_vocab.target_ids
     if shards > 1:
         if target.shape[0] % shards:
             raise ValueError(
@@ -94,6 +107,10 @@ def map_teacher_logits_to_draft_vocab(
                 "tensor-parallel ranks"
             )
         local = target.shape[0] // shards
-        rank = group_rank(vocab_parallel_group)
+        rank = group_rank(group)
         target = target[rank * local : (rank + 1) * local]
-    return teacher_logits.index_select(-1, target.to(teacher_logits.device))
+    target = target.to(teacher_logits.device)
+    if linear:
+        bias = None if bias is None else bias[target]
+        return torch.nn.functional.linear(teacher_logits.hidden, weight[target], bias)
+    return teacher_logits.index_select(-1, target)

@@ -1,23 +1,31 @@
-"""`linear_vocab_reduce`: `vocab_reduce` of `hidden @ weightᵀ (+ bias)` without ever
-holding the `[N, V]` logits.
+"""Logits from hidden states without ever holding them: `LinearLogits` and
+`linear_vocab_reduce`.
 
-The rows go through the LM-head projection one static chunk at a time: each chunk's
-logits exist only while its statistics are taken, and the backward recomputes them chunk
-by chunk to produce `dH`, `dW` (and `d bias`). The statistics, their merge over
-tensor-parallel vocabulary shards and the pointwise gradient are `vocab_reduce`'s own
-(`compiled_loss.vocab.reduce`); under TP, `weight` is this rank's vocabulary shard and
-`dH` is summed over the group.
+`LinearLogits(hidden, weight, bias)` stands for the logits `hidden @ weightᵀ + bias` of an
+LM head, kept as their factors. The vocab primitives (`vocab_reduce`, `token_logprobs`)
+accept it in place of a logits tensor, and so do input preparation and the packing
+wrappers, which only ever reshape, slice, pack or shard its positions (`per_position`).
+The statistics come from `linear_vocab_reduce`: the rows go through the LM-head
+projection one static chunk at a time, each chunk's logits exist only while its
+statistics — and its top-k / top-p thresholds (`top_k_top_p`), taken from the very logits
+they filter — are computed, and the backward recomputes them chunk by chunk to produce
+`dH`, `dW` (and `d bias`). The statistics, their merge over tensor-parallel vocabulary
+shards and the pointwise gradient are `vocab_reduce`'s own (`compiled_loss.vocab.stats`);
+under TP, `weight` is this rank's vocabulary shard and `dH` is summed over the group.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from compiled_loss.parallel import group_rank
 from compiled_loss.parallel.collectives import all_reduce_sum
-from compiled_loss.vocab.reduce import (
+from compiled_loss.vocab.sampling import sampling_threshold
+from compiled_loss.vocab.stats import (
     VocabStats,
     _chunk_grad,
     _filtered_chunk,
@@ -34,23 +42,80 @@ Tensor = torch.Tensor
 _FUSED_CHUNK_ELEMENTS = 1 << 22
 
 
-def _chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinearLogits:
+    """The logits `hidden @ weightᵀ + bias` of an LM head, kept as their factors.
+
+    `hidden [..., H]` (any leading positions: `[B, S, H]` unpacked, `[1, T, H]` packed),
+    `weight [V, H]` — this rank's vocabulary shard `[V / tp, H]` under tensor parallelism —
+    and an optional `bias [V]`. `shape` is the shape of the logits it stands for. The logits
+    are computed in the parameters' dtype (as an LM head's linear layer does) and reduced
+    in fp32."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden.dim() < 1 or self.weight.dim() != 2 or self.hidden.shape[-1] != self.weight.shape[1]:
+            raise ValueError(
+                f"LinearLogits: hidden must be [..., H] and weight [V, H] with the same H, got "
+                f"{tuple(self.hidden.shape)} and {tuple(self.weight.shape)}"
+            )
+        if self.bias is not None and tuple(self.bias.shape) != (self.weight.shape[0],):
+            raise ValueError(f"LinearLogits: bias must be [{self.weight.shape[0]}], got {tuple(self.bias.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.hidden.shape[:-1] + self.weight.shape[:1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def dim(self) -> int:
+        return self.hidden.dim()
+
+    def __truediv__(self, temperature: float) -> LinearLogits:
+        """The logits divided by `temperature` (hidden states and bias scaled)."""
+        bias = None if self.bias is None else self.bias / temperature
+        return dataclasses.replace(self, hidden=self.hidden / temperature, bias=bias)
+
+    def logits(self) -> Tensor:
+        """The logits themselves, `[..., V]` (for a consumer that reads every logit)."""
+        return torch.nn.functional.linear(self.hidden, self.weight, self.bias)
+
+
+def per_position(logits: Tensor | LinearLogits, fn: Callable[[Tensor], Tensor]) -> Tensor | LinearLogits:
+    """`fn` (a reshape, slice, gather or shard over the leading positions, never over the
+    last dimension) applied to logits, or to the hidden states a `LinearLogits` holds."""
+    if isinstance(logits, LinearLogits):
+        return dataclasses.replace(logits, hidden=fn(logits.hidden))
+    return fn(logits)
+
+
+def chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    """Row ranges of `chunk_size` rows (default: ~16 MiB of fp32 logits per chunk), compiled
+    or not."""
     step = chunk_size or max(1, _FUSED_CHUNK_ELEMENTS // max(vocab, 1))
     return [(s, min(s + step, n_rows)) for s in range(0, n_rows, step)] or [(0, 0)]
 
 
 class _LinearVocabReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, threshold, teacher, entropy, chunk_size, group):
+    def forward(ctx, hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group):
         n, vocab = hidden.shape[0], weight.shape[0]
         local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
-        parts = []
-        for s, e in _chunks(n, vocab, chunk_size):
+        parts, thresholds = [], []
+        for s, e in chunks(n, vocab, chunk_size):
             x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
-            x, _ = _filtered_chunk(x, None if threshold is None else threshold[s:e], False)
+            if top_k_top_p is not None:  # from the very logits it filters (a recompute may differ in the last bit)
+                thresholds.append(sampling_threshold(x, *top_k_top_p, group=group))
+            x, _ = _filtered_chunk(x, thresholds[-1] if thresholds else None, False)
             parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e],
                                       entropy))
         stats, weighted, picked = (torch.cat(p) for p in zip(*parts))
+        threshold = torch.cat(thresholds) if thresholds else None
         lse, picked, negent, cross, teacher_lse = _merge_shards(stats, weighted, picked, entropy,
                                                                 teacher is not None, group)
         ctx.save_for_backward(hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
@@ -65,7 +130,7 @@ class _LinearVocabReduce(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(vocab, dtype=torch.float32, device=weight.device)
-        for s, e in _chunks(n, vocab, ctx.chunk_size):
+        for s, e in chunks(n, vocab, ctx.chunk_size):
             x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
             x, kept = _filtered_chunk(x, None if threshold is None else threshold[s:e], True)
             g = _chunk_grad(
@@ -84,38 +149,28 @@ class _LinearVocabReduce(torch.autograd.Function):
 
 
 def linear_vocab_reduce(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
+    logits: LinearLogits,
     index: Tensor | None = None,
     *,
-    threshold: Tensor | None = None,
+    top_k_top_p: tuple[int | None, float | None] | None = None,
     teacher: Tensor | None = None,
     entropy: bool = False,
     chunk_size: int | None = None,
     group: Any = None,
 ) -> VocabStats:
-    """`vocab_reduce(hidden @ weightᵀ + bias, index, ...)` for `hidden [N, H]`, `weight
-    [V, H]` (this rank's vocabulary shard under a tensor-parallel `group`), `bias [V]`,
+    """`vocab_reduce` of `LinearLogits` with `[N, H]` hidden states (arguments as there),
     computed `chunk_size` rows at a time (default: ~16 MiB of fp32 logits per chunk) in
     eager and compiled code alike, so no `[N, V]` logits exist at any point; the backward
     recomputes each chunk's logits and returns the gradients of `hidden`, `weight` and
-    `bias`. The logits are computed in the parameters' dtype (as an LM head's linear
-    layer does) and reduced in fp32."""
+    `bias`. `top_k_top_p` thresholds come from each chunk's logits in the same pass."""
     check_chunk_size(chunk_size)
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"linear_vocab_reduce: hidden must be [N, H] and weight [V, H] with the same H, got "
-            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"linear_vocab_reduce: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    hidden = logits.hidden
+    if hidden.dim() != 2:
+        raise ValueError(f"linear_vocab_reduce: hidden must be [N, H], got {tuple(hidden.shape)}")
     if index is None:
         index = torch.zeros(hidden.shape[0], 1, dtype=torch.long, device=hidden.device)
     if teacher is not None:
         teacher = teacher.detach()
-    if threshold is not None:
-        threshold = threshold.detach().float()
-    return VocabStats(
-        *_LinearVocabReduce.apply(hidden, weight, bias, index, threshold, teacher, entropy, chunk_size, group)
-    )
+    return VocabStats(*_LinearVocabReduce.apply(
+        hidden, logits.weight, logits.bias, index, top_k_top_p, teacher, entropy, chunk_size, group
+    ))

@@ -24,138 +24,27 @@ treated as `-inf` (and receive no gradient).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from compiled_loss.parallel import group_rank, group_size
-from compiled_loss.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
+from compiled_loss.parallel.collectives import all_gather
+from compiled_loss.vocab.fused import LinearLogits, linear_vocab_reduce
+from compiled_loss.vocab.sampling import sampling_threshold
+from compiled_loss.vocab.stats import (
+    VocabStats,
+    _chunk_grad,
+    _filtered_chunk,
+    _live,
+    _local_index,
+    _merge_shards,
+    _row_chunks,
+    _shard_stats,
+    check_chunk_size,
+)
 
 Tensor = torch.Tensor
-
-# Eager-mode working set: rows per chunk = _CHUNK_ELEMENTS // V (fp32 tiles of ~4 MiB;
-# tiles above glibc's 32 MiB mmap threshold page-fault on every allocation: 6x slower).
-_CHUNK_ELEMENTS = 1 << 20
-
-
-class VocabStats(NamedTuple):
-    lse: Tensor
-    picked: Tensor
-    negent: Tensor
-    cross: Tensor
-
-
-def check_chunk_size(chunk_size: int | None, name: str = "chunk_size") -> None:
-    """ValueError unless `chunk_size` is None or an int >= 1."""
-    if chunk_size is None:
-        return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{name} must be None or an int >= 1, got {chunk_size!r}")
-
-
-def row_chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    """Eager-mode row ranges of `chunk_size` rows (default: ~4 MiB of fp32 per chunk)."""
-    step = chunk_size or max(1, _CHUNK_ELEMENTS // max(vocab, 1))
-    return [(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
-
-
-def _row_chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    if torch.compiler.is_compiling() or n_rows == 0:
-        return [(0, n_rows)]  # Inductor fuses the whole row sweep; no fp32 copy exists
-    return row_chunks(n_rows, vocab, chunk_size)
-
-
-def _filtered(x: Tensor, threshold: Tensor | None) -> Tensor:
-    """Forward: entries below the row's threshold become `-inf`. Spelled with `<` while the
-    backward tests `>=`, so AOTAutograd cannot share one `[N, V]` mask between them and
-    save it for the backward: the backward recomputes it from the saved logits."""
-    if threshold is None:
-        return x
-    return torch.where(x < threshold[:, None], float("-inf"), x)
-
-
-def _xlogp_safe(p: Tensor, x: Tensor) -> Tensor:
-    """`p * x` with `0 * -inf = 0` (filtered / masked vocabulary entries)."""
-    return torch.where(p > 0, p * x, 0.0)
-
-
-def _local_index(index: Tensor, start: int, vocab: int) -> tuple[Tensor, Tensor]:
-    """Global vocabulary ids → (position in this shard `[start, start + vocab)`, in-shard mask)."""
-    local = index - start
-    in_shard = (local >= 0) & (local < vocab)
-    return torch.where(in_shard, local, 0), in_shard
-
-
-def _shard_stats(x: Tensor, teacher: Tensor | None, local: Tensor, in_shard: Tensor, entropy: bool):
-    """One row chunk of this shard's filtered fp32 logits `x [c, V]`: relative to its max
-    `m`, `[c, 5]` = (m, Σe^(x-m), Σe^(x-m)·x, the teacher's max mt, Σe^(t-mt)), `[c]` =
-    Σe^(t-mt)·x, and the logits at the indices this shard holds `[c, K]`."""
-    f32 = torch.float32
-    m = x.amax(-1).clamp(min=torch.finfo(f32).min)
-    ex = torch.exp(x - m[:, None])
-    zero = torch.zeros_like(m)
-    negent = _xlogp_safe(ex, x).sum(-1) if entropy else zero
-    mt, total_t, weighted = zero, zero, zero
-    if teacher is not None:
-        t = teacher.float()
-        mt = t.amax(-1).clamp(min=torch.finfo(f32).min)
-        et = torch.exp(t - mt[:, None])
-        total_t, weighted = et.sum(-1), _xlogp_safe(et, x).sum(-1)
-    picked = torch.where(in_shard, x.gather(-1, local), 0.0)
-    return torch.stack([m, ex.sum(-1), negent, mt, total_t], -1), weighted, picked
-
-
-def _merge_shards(stats: Tensor, weighted: Tensor, picked: Tensor, entropy: bool, has_teacher: bool, group):
-    """The shards' statistics merged with one max and one sum all-reduce (no collective
-    without a group): lse, picked, negent, cross and the teacher's lse, each `[N]` (`[N, K]`)."""
-    maxima = all_reduce_max(stats[:, [0, 3]], group)  # global max of the row, of the teacher row
-    scale = torch.exp(stats[:, [0, 3]] - maxima)  # each shard's sums, rescaled to the global max
-    sums = all_reduce_sum(torch.stack([stats[:, 1] * scale[:, 0], stats[:, 2] * scale[:, 0],
-                                       stats[:, 4] * scale[:, 1], weighted * scale[:, 1]], -1), group)
-    total, weighted_x, teacher_total, teacher_x = sums.unbind(-1)
-    lse = maxima[:, 0] + torch.log(total)
-    negent = weighted_x / total - lse if entropy else torch.zeros_like(lse)
-    teacher_lse = maxima[:, 1] + torch.log(teacher_total)
-    cross = teacher_x / teacher_total if has_teacher else torch.zeros_like(lse)
-    return lse, all_reduce_sum(picked, group), negent, cross, teacher_lse
-
-
-def _chunk_grad(x, kept, teacher, lse, negent, teacher_lse, grads, local, in_shard, live, entropy):
-    """The fp32 gradient w.r.t. one row chunk of this shard's logits `x [c, V]` (already
-    filtered; `kept` the filter's keep mask or None), pointwise: every statistic it needs
-    is global. Rows no output gradient reaches (`live` False) get exactly 0."""
-    g_lse, g_picked, g_negent, g_cross = grads
-    p = torch.exp(x - lse[:, None])
-    coef = g_lse[:, None]
-    if entropy:
-        coef = coef + g_negent[:, None] * torch.where(p > 0, x - lse[:, None] - negent[:, None], 0.0)
-    g = p * coef
-    if teacher is not None:
-        g = g + torch.exp(teacher.float() - teacher_lse[:, None]) * g_cross[:, None]
-    g_picked = torch.where(in_shard & live[:, None], g_picked, 0.0)  # an index another shard holds
-    if kept is not None:
-        g_picked = torch.where(x.gather(-1, local) > float("-inf"), g_picked, 0.0)
-    if local.shape[-1] == 1:
-        g = g + (torch.arange(x.shape[-1], device=x.device)[None, :] == local).to(g.dtype) * g_picked
-    keep = live[:, None] if kept is None else live[:, None] & kept
-    g = torch.where(keep, g, 0.0)
-    return g if local.shape[-1] == 1 else g.scatter_add(-1, local, g_picked)
-
-
-def _live(grads) -> Tensor:
-    """Rows that some output gradient reaches."""
-    g_lse, g_picked, g_negent, g_cross = grads
-    return (g_lse != 0) | (g_picked != 0).any(-1) | (g_negent != 0) | (g_cross != 0)
-
-
-def _filtered_chunk(x: Tensor, threshold: Tensor | None, backward: bool) -> tuple[Tensor, Tensor | None]:
-    """`x` with the entries below the row's threshold at `-inf`, and (backward) the keep mask."""
-    if threshold is None:
-        return x, None
-    if not backward:
-        return _filtered(x, threshold), None
-    kept = x >= threshold[:, None]
-    return torch.where(kept, x, float("-inf")), kept
 
 
 class _VocabReduce(torch.autograd.Function):
@@ -197,10 +86,11 @@ class _VocabReduce(torch.autograd.Function):
 
 
 def vocab_reduce(
-    logits: Tensor,
+    logits: Tensor | LinearLogits,
     index: Tensor | None = None,
     *,
     threshold: Tensor | None = None,
+    top_k_top_p: tuple[int | None, float | None] | None = None,
     teacher: Tensor | None = None,
     entropy: bool = False,
     chunk_size: int | None = None,
@@ -215,7 +105,27 @@ def vocab_reduce(
     shard `[N, V / tp]` (rank `r` holds ids `[r·V/tp, (r+1)·V/tp)`), `index` holds GLOBAL
     ids, and every statistic is the full vocabulary's; the gradient is this shard's slice
     of the full one.
+
+    `top_k_top_p = (top_k, top_p)` filters with `sampling_threshold`'s thresholds instead of
+    a given `threshold`.
+
+    `logits` may be a `LinearLogits` (`[N, H]` hidden states and the LM head): the same
+    statistics without the `[N, V]` logits, `chunk_size` rows at a time compiled or not,
+    with the gradients of the hidden states, weight and bias (`linear_vocab_reduce`); its
+    filter is `top_k_top_p` (thresholds taken from each chunk's logits in the same pass).
     """
+    if threshold is not None and top_k_top_p is not None:
+        raise ValueError("vocab_reduce: pass threshold or top_k_top_p, not both")
+    if isinstance(logits, LinearLogits):
+        if threshold is not None:
+            raise ValueError(
+                "vocab_reduce: LinearLogits filter with top_k_top_p=(top_k, top_p), not a threshold: the logits "
+                "each chunk recomputes may differ in the last bit from those a threshold was taken from"
+            )
+        return linear_vocab_reduce(logits, index, top_k_top_p=top_k_top_p, teacher=teacher, entropy=entropy,
+                                   chunk_size=chunk_size, group=group)
+    if top_k_top_p is not None:
+        threshold = sampling_threshold(logits, *top_k_top_p, group=group)
     check_chunk_size(chunk_size)
     if index is None:
         index = torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device)
@@ -229,16 +139,18 @@ def vocab_reduce(
 
 
 def token_logprobs(
-    logits: Tensor,
+    logits: Tensor | LinearLogits,
     targets: Tensor,
     *,
     threshold: Tensor | None = None,
+    top_k_top_p: tuple[int | None, float | None] | None = None,
     chunk_size: int | None = None,
     group: Any = None,
 ) -> Tensor:
     """`log softmax(logits)[target]` per row, fp32 `[N]` (`-inf` for a filtered target);
-    `group`: see `vocab_reduce`."""
-    stats = vocab_reduce(logits, targets[:, None], threshold=threshold, chunk_size=chunk_size, group=group)
+    filters and `group`: see `vocab_reduce`."""
+    stats = vocab_reduce(logits, targets[:, None], threshold=threshold, top_k_top_p=top_k_top_p,
+                         chunk_size=chunk_size, group=group)
     return stats.picked[:, 0] - stats.lse
 
 

@@ -18,7 +18,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from compiled_loss.checks import check_fields, require
 from compiled_loss.parallel import group_size
-from compiled_loss.vocab.reduce import check_chunk_size, row_chunks
+from compiled_loss.vocab.stats import check_chunk_size, row_chunks
 
 Tensor = torch.Tensor
 

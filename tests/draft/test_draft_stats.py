@@ -1,6 +1,6 @@
 """Draft loss statistics as the reference has them (ref §7.4, §7.7): multi-bin
 `DraftLossStats`, the LM-head-fused projected soft-CE (also over tensor-parallel vocabulary
-shards on gloo), `linear_vocab_reduce` against `vocab_reduce`, and the deferred
+shards on gloo), `vocab_reduce` of `LinearLogits` against that of the logits, and the deferred
 normalisation of `DraftLossWrapper` with its `DraftStepState`."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from compiled_loss.losses.draft_ce import (
     streaming_vocab_parallel_soft_ce,
 )
 from compiled_loss.metrics import combine_metrics, metrics_to_python
-from compiled_loss.vocab import linear_vocab_reduce, vocab_reduce
+from compiled_loss.vocab import LinearLogits, vocab_reduce
 from compiled_loss.wrapper import DraftLossWrapper, wrap_loss_fn_with_input_preparation
 
 F64 = torch.float64
@@ -96,14 +96,13 @@ def test_linear_vocab_reduce_equals_vocab_reduce_of_the_projection():
     index = torch.randint(0, 17, (23, 3), generator=g)
     teacher = torch.randn(23, 17, generator=g)
     logits = torch.nn.functional.linear(h, w, b)
-    threshold = logits.detach().kthvalue(5, -1).values.float()
 
     def total(stats):
         return stats.lse.sum() * 1.5 + stats.picked.sum() * 0.5 + stats.negent.sum() * 0.25 + stats.cross.sum()
 
-    kw = dict(threshold=threshold, teacher=teacher, entropy=True)
+    kw = dict(top_k_top_p=(13, 1.0), teacher=teacher, entropy=True)
     ref = vocab_reduce(logits, index, chunk_size=4, **kw)
-    fused = linear_vocab_reduce(h, w, b, index, chunk_size=5, **kw)
+    fused = vocab_reduce(LinearLogits(h, w, b), index, chunk_size=5, **kw)
     for a, f in zip(ref, fused):
         torch.testing.assert_close(f, a)
     ref_grads = torch.autograd.grad(total(ref), (h, w, b))

@@ -54,10 +54,10 @@ def test_three_steps_every_loss_and_packing(loss, packing, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == lines[-1]["loss"]
 
 
-def _one_step(loss: str, packing: str):
+def _one_step(loss: str, packing: str, *overrides: str):
     """Loss metrics and gradients of one step on a fixed batch and a fixed init."""
     sampling = ["logprob.top_k=6"] if loss not in ("distillation", "mse_value") else []
-    cfg = config(f"loss={loss}", f"packing={packing}", "compile.enabled=false", *sampling)
+    cfg = config(f"loss={loss}", f"packing={packing}", "compile.enabled=false", *sampling, *overrides)
     family = loss_family(cfg.loss)
     torch.manual_seed(0)
     model = TinyLM(cfg.model, value_head=family == "value")
@@ -79,6 +79,28 @@ def test_packing_modes_agree(loss):
             assert other_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
         for g, h in zip(grads, other_grads):
             torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("loss", [name for name in LOSSES if name != "mse_value"])
+def test_the_fused_lm_head_equals_the_logits_path(loss, packing):
+    """`logprob.fused_linear=true` (the loss from hidden states and the LM head, chunk by
+    chunk, never forming the logits): every metric and every gradient as with the logits."""
+    metrics, grads = _one_step(loss, packing)
+    fused_metrics, fused_grads = _one_step(loss, packing, "logprob.fused_linear=true", "logprob.chunk_size=7")
+    assert sorted(fused_metrics) == sorted(metrics)
+    for key, value in metrics.items():
+        assert fused_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+    for g, h in zip(grads, fused_grads):
+        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+
+
+def test_the_fused_lm_head_compiles_once_per_bucket(tmp_path):
+    """Traced with the model as one graph per bucket, no graph break, no recompile."""
+    cfg = config("packing=fused", "logprob.fused_linear=true", "logprob.top_k=6", "run.steps=3",
+                 "compile.backend=aot_eager")
+    summary = train(cfg, tmp_path)
+    assert summary["compile_problems"] == [] and 1 <= summary["compiles"] <= summary["buckets"]
 
 
 def test_nll_learns_the_task(tmp_path):
