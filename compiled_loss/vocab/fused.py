@@ -94,7 +94,7 @@ def per_position(logits: Tensor | LinearLogits, fn: Callable[[Tensor], Tensor]) 
     return fn(logits)
 
 
-def chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
+def _chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
     """Row ranges of `chunk_size` rows (default: ~16 MiB of fp32 logits per chunk), compiled
     or not."""
     step = chunk_size or max(1, _FUSED_CHUNK_ELEMENTS // max(vocab, 1))
@@ -107,7 +107,7 @@ class _LinearVocabReduce(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
         parts, thresholds = [], []
-        for s, e in chunks(n, vocab, chunk_size):
+        for s, e in _chunks(n, vocab, chunk_size):
             x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
             if top_k_top_p is not None:  # from the very logits it filters (a recompute may differ in the last bit)
                 thresholds.append(sampling_threshold(x, *top_k_top_p, group=group))
@@ -130,7 +130,7 @@ class _LinearVocabReduce(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(vocab, dtype=torch.float32, device=weight.device)
-        for s, e in chunks(n, vocab, ctx.chunk_size):
+        for s, e in _chunks(n, vocab, ctx.chunk_size):
             x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
             x, kept = _filtered_chunk(x, None if threshold is None else threshold[s:e], True)
             g = _chunk_grad(
