@@ -122,7 +122,8 @@ class LogprobConfig:
     """The logits are divided by it before the loss; finite and > 0."""
     chunk_size: int | None = None
     """Rows per chunk of the vocab primitive in eager mode (None: ~4 MiB of fp32); with
-    fused_linear, rows per LM-head chunk, compiled or not (None: ~16 MiB of fp32 logits)."""
+    fused_linear, rows per LM-head chunk, compiled or not (None: ~16 MiB of fp32 logits,
+    at most 16 chunks)."""
     fused_linear: bool = False
     """Compute the loss from the final hidden states and the LM head, chunk by chunk,
     without the [T, V] logits (the model is called with `linear_logits=True` and returns

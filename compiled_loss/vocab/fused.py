@@ -38,8 +38,11 @@ from compiled_loss.vocab.stats import (
 
 Tensor = torch.Tensor
 
-# Default rows per chunk: fp32 logit tiles of ~16 MiB.
+# Default rows per chunk: fp32 logit tiles of ~16 MiB, or more rows when that would make more
+# than _MAX_CHUNKS chunks (each chunk is unrolled in the compiled graph: compile time grows
+# with their number — 115 s for 64 chunks against 36 s for 16 at N=2048, V=128256).
 _FUSED_CHUNK_ELEMENTS = 1 << 22
+_MAX_CHUNKS = 16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,10 +97,14 @@ def per_position(logits: Tensor | LinearLogits, fn: Callable[[Tensor], Tensor]) 
     return fn(logits)
 
 
+def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
+    """Rows per chunk: `chunk_size`, or ~16 MiB of fp32 logits but at most `_MAX_CHUNKS` chunks."""
+    return chunk_size or max(1, _FUSED_CHUNK_ELEMENTS // max(vocab, 1), -(-n_rows // _MAX_CHUNKS))
+
+
 def _chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    """Row ranges of `chunk_size` rows (default: ~16 MiB of fp32 logits per chunk), compiled
-    or not."""
-    step = chunk_size or max(1, _FUSED_CHUNK_ELEMENTS // max(vocab, 1))
+    """Row ranges of `_chunk_rows` rows, compiled or not."""
+    step = _chunk_rows(n_rows, vocab, chunk_size)
     return [(s, min(s + step, n_rows)) for s in range(0, n_rows, step)] or [(0, 0)]
 
 
@@ -125,27 +132,67 @@ class _LinearVocabReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
-        n, vocab = hidden.shape[0], weight.shape[0]
-        live = _live(grads)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = None if bias is None else torch.zeros(vocab, dtype=torch.float32, device=weight.device)
-        for s, e in _chunks(n, vocab, ctx.chunk_size):
-            x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
-            x, kept = _filtered_chunk(x, None if threshold is None else threshold[s:e], True)
-            g = _chunk_grad(
-                x, kept, None if teacher is None else teacher[s:e], lse[s:e], negent[s:e], teacher_lse[s:e],
-                tuple(g[s:e] for g in grads), local[s:e], in_shard[s:e], live[s:e], ctx.entropy,
-            ).to(weight.dtype)
-            grad_hidden[s:e] = g @ weight
-            grad_weight += (g.t() @ hidden[s:e]).float()
-            if grad_bias is not None:
-                grad_bias += g.float().sum(0)
+        if threshold is None:
+            grad_hidden, grad_weight, grad_bias = _vocab_chunked_backward(
+                hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, ctx.entropy,
+                ctx.chunk_size,
+            )
+        else:  # the keep mask must be recomputed from the forward's own row chunks
+            grad_hidden, grad_weight, grad_bias = _row_chunked_backward(
+                hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse, grads,
+                ctx.entropy, ctx.chunk_size,
+            )
         grad_hidden = all_reduce_sum(grad_hidden, ctx.group)  # every vocabulary shard's share
-        return (
-            grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None, None, None,
-        )
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _vocab_chunked_backward(hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, entropy,
+                            chunk_size):
+    """dH, dW, d bias over column chunks of the vocabulary (as many logits per chunk as a
+    row chunk holds): each chunk's rows of dW and d bias are computed once — no dW-sized
+    partial sums — and only the small `[N, H]` dH accumulates (in fp32)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    live = _live(grads)
+    step = max(1, _chunk_rows(n, vocab, chunk_size) * vocab // max(n, 1))
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    grad_weight, grad_bias = [], []
+    for a in range(0, vocab, step):
+        b = min(a + step, vocab)
+        x = torch.nn.functional.linear(hidden, weight[a:b], None if bias is None else bias[a:b]).float()
+        chunk_index, in_chunk = _local_index(local, a, b - a)
+        g = _chunk_grad(
+            x, None, None if teacher is None else teacher[:, a:b], lse, negent, teacher_lse, grads, chunk_index,
+            in_chunk & in_shard, live, entropy,
+        ).to(weight.dtype)
+        grad_hidden = grad_hidden + (g @ weight[a:b]).float()
+        grad_weight.append(g.t() @ hidden)
+        if bias is not None:
+            grad_bias.append(g.float().sum(0).to(bias.dtype))
+    return (grad_hidden.to(hidden.dtype), torch.cat(grad_weight),
+            None if bias is None else torch.cat(grad_bias))
+
+
+def _row_chunked_backward(hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse, grads,
+                          entropy, chunk_size):
+    """dH, dW, d bias over the forward's row chunks (each chunk's keep mask from the same
+    logits as in the forward)."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    live = _live(grads)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_bias = None if bias is None else torch.zeros(vocab, dtype=torch.float32, device=weight.device)
+    for s, e in _chunks(n, vocab, chunk_size):
+        x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
+        x, kept = _filtered_chunk(x, threshold[s:e], True)
+        g = _chunk_grad(
+            x, kept, None if teacher is None else teacher[s:e], lse[s:e], negent[s:e], teacher_lse[s:e],
+            tuple(g[s:e] for g in grads), local[s:e], in_shard[s:e], live[s:e], entropy,
+        ).to(weight.dtype)
+        grad_hidden[s:e] = g @ weight
+        grad_weight += (g.t() @ hidden[s:e]).float()
+        if grad_bias is not None:
+            grad_bias += g.float().sum(0)
+    return grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype)
 
 
 def linear_vocab_reduce(
@@ -159,10 +206,12 @@ def linear_vocab_reduce(
     group: Any = None,
 ) -> VocabStats:
     """`vocab_reduce` of `LinearLogits` with `[N, H]` hidden states (arguments as there),
-    computed `chunk_size` rows at a time (default: ~16 MiB of fp32 logits per chunk) in
-    eager and compiled code alike, so no `[N, V]` logits exist at any point; the backward
-    recomputes each chunk's logits and returns the gradients of `hidden`, `weight` and
-    `bias`. `top_k_top_p` thresholds come from each chunk's logits in the same pass."""
+    computed `chunk_size` rows at a time (default: ~16 MiB of fp32 logits per chunk, at
+    most 16 chunks) in eager and compiled code alike, so no `[N, V]` logits exist at any
+    point; the backward recomputes the logits (over vocabulary column chunks, or the
+    forward's row chunks under top-k / top-p) and returns the gradients of `hidden`,
+    `weight` and `bias`. `top_k_top_p` thresholds come from each chunk's logits in the
+    same pass."""
     check_chunk_size(chunk_size)
     hidden = logits.hidden
     if hidden.dim() != 2:
