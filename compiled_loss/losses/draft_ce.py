@@ -99,8 +99,8 @@ def _check_draft_inputs(student: Tensor, student_vocab: int, teacher: Tensor, ma
 
 def _fingerprint(t: Tensor) -> tuple[Any, ...]:
     """Host side: shape, dtype and exact values of a tensor (a digest of its bytes)."""
-    data = t.detach().cpu().contiguous()
-    return tuple(t.shape), str(t.dtype), hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+    data = t.detach().cpu().contiguous()  # host
+    return tuple(t.shape), str(t.dtype), hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()  # host
 
 
 def streaming_vocab_parallel_soft_ce(

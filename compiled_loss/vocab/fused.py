@@ -33,7 +33,6 @@ from compiled_loss.vocab.stats import (
     _local_index,
     _merge_shards,
     _shard_stats,
-    check_chunk_size,
 )
 
 Tensor = torch.Tensor
@@ -197,29 +196,23 @@ def _row_chunked_backward(hidden, weight, bias, local, in_shard, threshold, teac
 
 def linear_vocab_reduce(
     logits: LinearLogits,
-    index: Tensor | None = None,
-    *,
-    top_k_top_p: tuple[int | None, float | None] | None = None,
-    teacher: Tensor | None = None,
-    entropy: bool = False,
-    chunk_size: int | None = None,
-    group: Any = None,
+    index: Tensor,
+    top_k_top_p: tuple[int | None, float | None] | None,
+    teacher: Tensor | None,
+    entropy: bool,
+    chunk_size: int | None,
+    group: Any,
 ) -> VocabStats:
-    """`vocab_reduce` of `LinearLogits` with `[N, H]` hidden states (arguments as there),
-    computed `chunk_size` rows at a time (default: ~16 MiB of fp32 logits per chunk, at
-    most 16 chunks) in eager and compiled code alike, so no `[N, V]` logits exist at any
-    point; the backward recomputes the logits (over vocabulary column chunks, or the
-    forward's row chunks under top-k / top-p) and returns the gradients of `hidden`,
-    `weight` and `bias`. `top_k_top_p` thresholds come from each chunk's logits in the
-    same pass."""
-    check_chunk_size(chunk_size)
+    """`vocab_reduce` of `LinearLogits` with `[N, H]` hidden states (called by it, arguments
+    checked there), computed `chunk_size` rows at a time (default: ~16 MiB of fp32 logits
+    per chunk, at most 16 chunks) in eager and compiled code alike, so no `[N, V]` logits
+    exist at any point; the backward recomputes the logits (over vocabulary column chunks,
+    or the forward's row chunks under top-k / top-p) and returns the gradients of
+    `hidden`, `weight` and `bias`. `top_k_top_p` thresholds come from each chunk's logits
+    in the same pass."""
     hidden = logits.hidden
     if hidden.dim() != 2:
         raise ValueError(f"linear_vocab_reduce: hidden must be [N, H], got {tuple(hidden.shape)}")
-    if index is None:
-        index = torch.zeros(hidden.shape[0], 1, dtype=torch.long, device=hidden.device)
-    if teacher is not None:
-        teacher = teacher.detach()
     return VocabStats(*_LinearVocabReduce.apply(
         hidden, logits.weight, logits.bias, index, top_k_top_p, teacher, entropy, chunk_size, group
     ))

@@ -116,21 +116,20 @@ def vocab_reduce(
     """
     if threshold is not None and top_k_top_p is not None:
         raise ValueError("vocab_reduce: pass threshold or top_k_top_p, not both")
+    check_chunk_size(chunk_size)
+    if index is None:
+        index = torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device)
+    if teacher is not None:
+        teacher = teacher.detach()
     if isinstance(logits, LinearLogits):
         if threshold is not None:
             raise ValueError(
                 "vocab_reduce: LinearLogits filter with top_k_top_p=(top_k, top_p), not a threshold: the logits "
                 "each chunk recomputes may differ in the last bit from those a threshold was taken from"
             )
-        return linear_vocab_reduce(logits, index, top_k_top_p=top_k_top_p, teacher=teacher, entropy=entropy,
-                                   chunk_size=chunk_size, group=group)
+        return linear_vocab_reduce(logits, index, top_k_top_p, teacher, entropy, chunk_size, group)
     if top_k_top_p is not None:
         threshold = sampling_threshold(logits, *top_k_top_p, group=group)
-    check_chunk_size(chunk_size)
-    if index is None:
-        index = torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device)
-    if teacher is not None:
-        teacher = teacher.detach()
     if threshold is not None:
         threshold = threshold.detach().float()
     return VocabStats(
