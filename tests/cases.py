@@ -29,12 +29,20 @@ class Case:
     pairs: bool = False  # rows are (chosen, rejected) pairs
     logit_width: int = VOCAB  # last dim of the logits (1 for value heads)
     sampling: TrainingSamplingParams | None = None
+    teacher_heads: bool = False  # OPD_FULL from teacher hidden states through TEACHER_HEADS
 
     def prepare(self, packed: bool):
         base = prepare_packed_loss_input if packed else prepare_loss_input
-        if self.sampling is None:
-            return base
-        return functools.partial(base, sampling_params=self.sampling)
+        kwargs = {} if self.sampling is None else {"sampling_params": self.sampling}
+        if self.teacher_heads:
+            kwargs["teacher_output_layer_weight_by_index"] = TEACHER_HEADS
+        return functools.partial(base, **kwargs) if kwargs else base
+
+
+TEACHER_HIDDEN = 6
+# two teacher LM heads [V, H], keyed by the index rows name in data["opd_full_teacher_index"]
+TEACHER_HEADS = {2: torch.randn(VOCAB, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(7)),
+                 5: torch.randn(VOCAB, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(8))}
 
 
 CASES = [
@@ -68,6 +76,11 @@ CASES = [
     Case("distill_mixed_zero_outside", lambda: DistillationLossFn(
         {"kl_type": "mixed", "mixed_kl_weight": 0.3, "zero_outside_topk": True})),
     Case("distill_reverse", lambda: DistillationLossFn({"kl_type": "reverse"})),
+    Case("opd_full_logits", lambda: ClippedPGLossFn(
+        {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.05}, opd_full={"validate_decomposition": True})),
+    Case("opd_full_hidden_seq_level", lambda: ClippedPGLossFn(
+        {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0, "token_level_loss": False},
+        opd_full={"teacher_payload": "hidden_states", "compute_entropy": True}), teacher_heads=True),
     Case("mse_value_clipped", lambda: MseValueLossFn({"cliprange": 0.2, "scale": 2.0}),
          logit_width=1),
 ]
@@ -104,6 +117,12 @@ def make_batch(case: Case, lengths: list[int], width: int, seed: int) -> tuple[d
         "returns": randn(rows, width),
         "values": randn(rows, width),
     }
+    if case.name.startswith("opd_full"):
+        if case.teacher_heads:
+            data["opd_full_teacher_payload"] = randn(rows, width, TEACHER_HIDDEN)
+            data["opd_full_teacher_index"] = torch.tensor([(2, 5)[i % 2] for i in range(rows)])
+        else:
+            data["opd_full_teacher_payload"] = randn(rows, width, VOCAB) * 2
     logits = (randn(rows, width, case.logit_width) * 2).requires_grad_()
     return data, logits
 

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "compiled_loss"
 
 # Layers, lowest first. A module may import its own layer and the layers before it.
 LAYERS = [
-    {"interfaces", "metrics", "checks"},
+    {"interfaces", "metrics", "checks", "compile"},
     {"parallel"},
     {"vocab"},
     {"packing"},

@@ -26,15 +26,17 @@ def _option_type(annotation: Any, name: str, module: str) -> Any:
     return annotation
 
 
-def option_class(kind: str, config_cls: type | None, class_name: str, module: str,
+def option_class(kind: str, config_cls: type | tuple[type, ...] | None, class_name: str, module: str,
                  *extra: tuple[str, Any, Any]) -> type:
     """The option dataclass `class_name` (defined in `module`) of a kind: `name` (= `kind`),
-    every field of `config_cls` with its default, then the `extra` (name, type, default)."""
+    every field of `config_cls` (of each class, when a tuple) with its default, then the
+    `extra` (name, type, default)."""
     fields: list[tuple[str, Any, Any]] = [("name", str, dataclasses.field(default=kind))]
-    if config_cls is not None:
-        hints = typing.get_type_hints(config_cls)
-        for f in dataclasses.fields(config_cls):
-            option_type = _option_type(hints[f.name], f"{config_cls.__name__}_{f.name}", module)
+    classes = config_cls if isinstance(config_cls, tuple) else (config_cls,) if config_cls is not None else ()
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            option_type = _option_type(hints[f.name], f"{cls.__name__}_{f.name}", module)
             enum_cls = next((a for a in (option_type, *typing.get_args(option_type))
                              if isinstance(a, type) and issubclass(a, enum.Enum)), None)
             default = enum_cls(f.default) if enum_cls is not None and f.default is not None else f.default

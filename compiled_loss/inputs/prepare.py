@@ -14,11 +14,19 @@ it).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from compiled_loss.inputs.cross_tokenizer import check_student_logits, cross_tokenizer_loss_input
+from compiled_loss.inputs.teacher import (
+    OPD_FULL_TEACHER_INDEX_FIELD,
+    OPD_FULL_TEACHER_PAYLOAD_FIELD,
+    reconstruct_opd_full_teacher_logits,
+    teacher_logits,
+)
 from compiled_loss.interfaces import LossInputType
 from compiled_loss.losses.common import require_keys
 from compiled_loss.packing import CpuIntTuple, PackedLayout, roll_within_segments, row_width
@@ -33,6 +41,7 @@ from compiled_loss.vocab import (
     mask_out_neg_inf_logprobs,
     need_top_k_or_top_p_filtering,
     per_position,
+    reverse_kl,
     token_logprobs,
     vocab_reduce,
 )
@@ -100,6 +109,14 @@ class _Rows:
             return y.reshape((self.rows, self.width) + tuple(y.shape[1:]))
         y = self.shards.gather(y)
         return y.reshape((self.rows, -1) + tuple(y.shape[1:]))[:, : self.width]
+
+
+def _check_cp_sharder(cp_sharder: Any) -> None:
+    if cp_sharder is not None:
+        raise ValueError(
+            "cp_sharder: compiled_loss shards context-parallel positions in the load-balanced 2·cp layout of "
+            "context_parallel_group; pass cp_sharder=None"
+        )
 
 
 def _check_linear(logits: Tensor | LinearLogits, loss_fn: Any, who: str) -> None:
@@ -251,6 +268,41 @@ def _draft_loss_input(
     return {"teacher_logits": teacher, "student_logits": data["student_logits"], "token_mask": mask}
 
 
+def _opd_full_loss_input(
+    student: Tensor, teacher: Tensor, to_full: Callable[[Tensor], Tensor], loss_fn: Any, group: Any
+) -> dict[str, Tensor]:
+    """The per-token reverse KL of this rank's student rows `[N, V_local]` to the teacher's
+    (ref §5.1 OPD_FULL), with the diagnostics the config reports, each put back into the
+    `[B, S-1]` layout by `to_full`."""
+    opd = loss_fn.opd_full
+    kl, negent, cross_entropy = reverse_kl(student, teacher, chunk_size=opd.chunk_size, group=group)
+    out = {"opd_full_divergence": to_full(kl)}
+    if opd.with_entropy:
+        out["opd_full_entropy"] = to_full(-negent)
+    if opd.with_cross_entropy:
+        out["opd_full_cross_entropy"] = to_full(cross_entropy)
+    return out
+
+
+def _opd_full_teacher_index(
+    data: Mapping[str, Tensor], loss_fn: Any, weights: dict[int, Tensor] | None
+) -> tuple[Tensor | None, int]:
+    """Each row's teacher index `[B]` (None when absent or with logits payloads) with the
+    rows no loss reads (`sample_mask` 0, bucket padding) routed to the first loaded head,
+    and that head's index."""
+    index = data.get(OPD_FULL_TEACHER_INDEX_FIELD)
+    if index is None or loss_fn.opd_full.teacher_payload != "hidden_states" or not weights:
+        return None, 0
+    first = next(iter(weights))
+    return torch.where(data["sample_mask"].to(index.device) > 0, index, first), first
+
+
+def _check_opd_full(logits: Tensor | LinearLogits, data: Mapping[str, Tensor], who: str) -> None:
+    require_keys(data, ("input_ids", "token_mask", "sample_mask", OPD_FULL_TEACHER_PAYLOAD_FIELD), who)
+    if isinstance(logits, LinearLogits):
+        raise ValueError(f"{who}: OPD_FULL inputs need the student's logits tensor, not LinearLogits")
+
+
 def prepare_loss_input(
     logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
@@ -261,16 +313,24 @@ def prepare_loss_input(
     sampling_params: TrainingSamplingParams | None = None,
     d2t: Tensor | DraftVocab | None = None,
     chunk_size: int | None = None,
+    cp_sharder: Any = None,
+    teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Build `loss_fn`'s inputs from unpacked `[B, S, V]` logits (ref §5.1).
 
     Returns `(loss_input, data)`; `data` is a new dict (with `curr_logprobs_unfiltered`
     added under top-k/top-p when the loss has a reference KL). `d2t` (DRAFT inputs): pass
     a `DraftVocab` to skip the per-call check of a raw map. `logits` may be `LinearLogits`
-    (hidden states `[B, S, H]` and the LM head) for every input type but LOGIT.
+    (hidden states `[B, S, H]` and the LM head) for every input type but LOGIT, OPD_FULL and
+    DISTILLATION_CROSS_TOKENIZER.
+    OPD_FULL: the teacher payload is `data["opd_full_teacher_payload"]` (rows routed by
+    `data["opd_full_teacher_index"]` when present); hidden states are projected through
+    `teacher_output_layer_weight_by_index`. Context parallelism is `context_parallel_group`
+    (the load-balanced 2·cp layout); `cp_sharder` must be None.
     """
     _check_rank(vocab_parallel_rank, vocab_parallel_group)
     check_chunk_size(chunk_size)
+    _check_cp_sharder(cp_sharder)
     input_type = loss_fn.input_type
     _check_linear(logits, loss_fn, "prepare_loss_input")
     if input_type == LossInputType.LOGIT:
@@ -315,11 +375,28 @@ def prepare_loss_input(
         inputs = _draft_loss_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group,
                                    context_parallel_group)
         return inputs, dict(data)
-    if input_type in (LossInputType.OPD_FULL, LossInputType.DISTILLATION_CROSS_TOKENIZER):
-        raise NotImplementedError(
-            f"prepare_loss_input: compiled_loss prepares no {input_type.name} inputs; supported input types: "
-            "LOGIT, LOGPROB, DISTILLATION, DRAFT"
+    if input_type == LossInputType.OPD_FULL:
+        _check_opd_full(logits, data, "prepare_loss_input (OPD_FULL)")
+        width = data["input_ids"].shape[1]
+        teacher = reconstruct_opd_full_teacher_logits(
+            data[OPD_FULL_TEACHER_PAYLOAD_FIELD], teacher_payload=loss_fn.opd_full.teacher_payload,
+            student_logits=logits, vocab_parallel_rank=group_rank(vocab_parallel_group),
+            context_parallel_group=context_parallel_group,
+            teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+            teacher_index=_opd_full_teacher_index(data, loss_fn, teacher_output_layer_weight_by_index)[0],
         )
+        view = _Rows.of(logits, width, context_parallel_group)
+        inputs = _opd_full_loss_input(view.logits(logits), view.logits(teacher), lambda y: view.full(y)[:, :-1],
+                                      loss_fn, vocab_parallel_group)
+        if loss_fn.reference_policy_kl_penalty != 0:
+            inputs["next_token_logprobs"] = get_next_token_logprobs_from_logits(
+                data["input_ids"], logits, data.get("seq_index"), None, vocab_parallel_group, context_parallel_group,
+            )
+        return inputs, dict(data)
+    if input_type == LossInputType.DISTILLATION_CROSS_TOKENIZER:
+        who = "prepare_loss_input"
+        check_student_logits(logits, loss_fn, vocab_parallel_group, context_parallel_group, who)
+        return cross_tokenizer_loss_input(logits, data, loss_fn, who), dict(data)
     raise ValueError(f"Unknown loss function input type: {input_type!r}")
 
 
@@ -336,21 +413,30 @@ def prepare_packed_loss_input(
     chunk_size: int | None = None,
     *,
     layout: PackedLayout | None = None,
+    teacher_output_layer_weight_by_index: dict[int, Tensor] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Build `loss_fn`'s inputs from packed `[1, T, V]` logits in one shot (ref §5.3).
 
     The vocab work runs once over the packed tokens; only its per-token results are
     unpacked to the `[B, S-1, ...]` layout the loss reads. Supports LOGPROB (incl.
-    top-k/top-p and fused-linear log-probs), DISTILLATION and LOGIT losses. `layout`
+    top-k/top-p and fused-linear log-probs), DISTILLATION and LOGIT losses, and
+    DISTILLATION_CROSS_TOKENIZER ones (on the logits unpacked to `[B, S, V]`). `layout`
     (built on the host, see `PackedLayout.build`) is what compiled callers pass; without
     it one is built here from the boundaries (exact shapes, host work). Entries for
     positions past a sequence's last prediction (`t >= L_i - 1`) are left as computed;
     the packing wrappers zero them. `logits` may be `LinearLogits` (hidden states `[1, T, H]`
-    and the LM head) for LOGPROB and DISTILLATION losses.
+    and the LM head) for LOGPROB and DISTILLATION losses. OPD_FULL: as `prepare_loss_input`.
+
+    Pre-packed batches (`"cu_seqlens"` in `data`: `input_ids` and the masks are already one
+    packed `[1, T]` row whose masks exclude each sequence's last position) take LOGPROB
+    losses; the log-probs are returned in that packed `[1, T-1]` layout.
     """
     _check_rank(vocab_parallel_rank, vocab_parallel_group)
     check_chunk_size(chunk_size)
     _check_linear(logits, loss_fn, "prepare_packed_loss_input")
+    if "cu_seqlens" in data:
+        return _pre_packed_loss_input(logits, data, loss_fn, vocab_parallel_group, context_parallel_group,
+                                      sampling_params, chunk_size)
     if layout is None:
         if cu_seqlens_q is None:
             raise ValueError("prepare_packed_loss_input needs cu_seqlens_q or a layout")
@@ -395,7 +481,59 @@ def prepare_packed_loss_input(
             "teacher_topk_logprobs": teacher[:, :-1],
             "H_all": h_all,
         }, dict(data)
+    if input_type == LossInputType.OPD_FULL:
+        _check_opd_full(logits, data, "prepare_packed_loss_input (OPD_FULL)")
+        weights = teacher_output_layer_weight_by_index
+        to_logits = functools.partial(
+            teacher_logits, teacher_payload=loss_fn.opd_full.teacher_payload, vocab_parallel_rank=group_rank(tp),
+            local_vocab=packed.shape[-1], teacher_output_layer_weight_by_index=weights,
+        )
+        payload, index = data[OPD_FULL_TEACHER_PAYLOAD_FIELD], None
+        if loss_fn.opd_full.teacher_payload == "logits":  # this rank's vocabulary slice before packing
+            payload = to_logits(payload, None)
+        teacher = layout.local(layout.pack(payload))
+        if loss_fn.opd_full.teacher_payload == "hidden_states":
+            rows_index, first = _opd_full_teacher_index(data, loss_fn, weights)
+            if rows_index is not None:  # packing pads with 0: shift so padding slots name the first head
+                index = layout.local(layout.pack((rows_index - first)[:, None].expand(-1, width))) + first
+            teacher = to_logits(teacher, index)
+        inputs = _opd_full_loss_input(packed, teacher, lambda y: layout.unpack(layout.gather(y), width)[:, :-1],
+                                      loss_fn, tp)
+        if loss_fn.reference_policy_kl_penalty != 0:
+            targets = layout.local(layout.roll(layout.pack(data["input_ids"])))
+            lp = token_logprobs(packed, targets, group=tp)
+            inputs["next_token_logprobs"] = layout.unpack(layout.gather(lp), width)[:, :-1]
+        return inputs, dict(data)
+    if input_type == LossInputType.DISTILLATION_CROSS_TOKENIZER:
+        who = "prepare_packed_loss_input"
+        check_student_logits(logits, loss_fn, tp, context_parallel_group, who)
+        return cross_tokenizer_loss_input(layout.unpack(packed, width), data, loss_fn, who), dict(data)
     raise ValueError(
-        f"prepare_packed_loss_input supports LOGIT, LOGPROB and DISTILLATION losses, got "
-        f"{input_type}; draft losses go through DraftLossWrapper"
+        f"prepare_packed_loss_input supports LOGIT, LOGPROB, DISTILLATION, OPD_FULL and DISTILLATION_CROSS_TOKENIZER "
+        f"losses, got {input_type}; draft losses go through DraftLossWrapper"
     )
+
+
+def _pre_packed_loss_input(
+    logits: Tensor | LinearLogits,
+    data: Mapping[str, Tensor],
+    loss_fn: Any,
+    vocab_parallel_group: Any,
+    context_parallel_group: Any,
+    sampling_params: TrainingSamplingParams | None,
+    chunk_size: int | None,
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A pre-packed `[1, T]` batch: its next-token log-probs as one row (the masks exclude
+    the positions whose next token starts another sequence)."""
+    who = "prepare_packed_loss_input (pre-packed data with 'cu_seqlens')"
+    if loss_fn.input_type != LossInputType.LOGPROB:
+        raise ValueError(f"{who}: supports LOGPROB losses, got {loss_fn.input_type}")
+    if group_size(context_parallel_group) > 1:
+        raise ValueError(
+            f"{who}: context parallelism needs unpacked data and cu_seqlens_q; pass context_parallel_group=None"
+        )
+    require_keys(data, ("input_ids", "token_mask", "sample_mask"), who)
+    if data["input_ids"].dim() != 2 or data["input_ids"].shape[0] != 1:
+        raise ValueError(f"{who}: input_ids must be one packed row [1, T], got {tuple(data['input_ids'].shape)}")
+    return prepare_loss_input(logits, data, loss_fn, None, vocab_parallel_group, None, sampling_params,
+                              chunk_size=chunk_size)

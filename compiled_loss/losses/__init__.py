@@ -5,25 +5,43 @@ under NeMo-RL's keys.
 - `common`: `masked_mean`, `calculate_kl`, mask / shape helpers, `ConfigError` and the
   config checks;
 - `policy_gradient`: `ClippedPGLossConfig`, `ClippedPGLossFn`;
+- `opd`: `OPDFullConfig`, the full-vocabulary on-policy distillation branch of `ClippedPGLossFn`;
 - `nll`: `NLLLossFn`;
-- `preference`: `PreferenceLossFn`, `DPOLossConfig`, `DPOLossFn`;
+- `preference`: `PreferenceLossFn`, `DPOLossConfig`, `DPOLossFn`, `MPOLossConfig`, `MPOLossFn`,
+  `update_reward_shift` (the MPO driver's EMA step);
 - `distillation`: `DistillationLossConfig`, `DistillationLossFn`;
+- `cross_tokenizer`: `CrossTokenizerDistillationLossConfig`, `CrossTokenizerDistillationLossFn`,
+  `TokenProjection`;
 - `value`: `MseValueLossConfig`, `MseValueLossFn`;
 - `draft_ce`: `DraftCrossEntropyLossFn`, `DraftLossStats`.
 """
 
 from compiled_loss.checks import ConfigError
 from compiled_loss.losses.common import calculate_kl, masked_mean
+from compiled_loss.losses.cross_tokenizer import (
+    CrossTokenizerDistillationLossConfig,
+    CrossTokenizerDistillationLossFn,
+    TokenProjection,
+)
 from compiled_loss.losses.distillation import DistillationLossConfig, DistillationLossFn
 from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn, DraftLossStats
 from compiled_loss.losses.nll import NLLLossFn
+from compiled_loss.losses.opd import OPDFullConfig
 from compiled_loss.losses.policy_gradient import (
     APPROX_ENTROPY_KEY,
     KL_PENALTY_KEY,
     ClippedPGLossConfig,
     ClippedPGLossFn,
 )
-from compiled_loss.losses.preference import DPOLossConfig, DPOLossFn, PreferenceLossFn, check_pairs
+from compiled_loss.losses.preference import (
+    DPOLossConfig,
+    DPOLossFn,
+    MPOLossConfig,
+    MPOLossFn,
+    PreferenceLossFn,
+    check_pairs,
+    update_reward_shift,
+)
 from compiled_loss.losses.value import MseValueLossConfig, MseValueLossFn
 
 __all__ = [
@@ -33,17 +51,24 @@ __all__ = [
     "ClippedPGLossConfig",
     "ClippedPGLossFn",
     "ConfigError",
+    "CrossTokenizerDistillationLossConfig",
+    "CrossTokenizerDistillationLossFn",
     "DPOLossConfig",
     "DPOLossFn",
     "DistillationLossConfig",
     "DistillationLossFn",
     "DraftCrossEntropyLossFn",
     "DraftLossStats",
+    "MPOLossConfig",
+    "MPOLossFn",
     "MseValueLossConfig",
     "MseValueLossFn",
     "NLLLossFn",
+    "OPDFullConfig",
     "PreferenceLossFn",
+    "TokenProjection",
     "calculate_kl",
     "check_pairs",
     "masked_mean",
+    "update_reward_shift",
 ]

@@ -21,6 +21,8 @@ Tensor = torch.Tensor
 
 _C = TypeVar("_C")
 
+KL_PENALTY_KEY = "kl_penalty"
+
 
 # ---- configs ------------------------------------------------------------------------
 
@@ -123,6 +125,16 @@ def calculate_kl(
     if output_clamp_value is not None:
         kl = kl.clamp(-output_clamp_value, output_clamp_value)
     return kl
+
+
+def reduce_like_loss(
+    per_token: Tensor, tm: Tensor, sm: Tensor, token_level: bool, g_toks: Tensor | None, g_seqs: Tensor | None
+) -> Tensor:
+    """A per-token `[B, S-1]` term reduced as a loss is: the token mean over `tm * sm` (G_t),
+    or the mean over `sm` of per-sequence token means over `tm` (G_s), ref §13.16."""
+    if token_level:
+        return masked_mean(per_token, tm * sm[:, None], global_normalization_factor=g_toks)
+    return masked_mean(masked_mean(per_token, tm, dim=-1), sm, global_normalization_factor=g_seqs)
 
 
 def masked_min(values: Tensor, mask: Tensor) -> Tensor:

@@ -11,8 +11,10 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from compiled_loss.checks import check_fields, check_value, require
+from compiled_loss.compile import compile_loss
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
+    KL_PENALTY_KEY,
     as_config,
     calculate_kl,
     check_logprob_inputs,
@@ -22,12 +24,15 @@ from compiled_loss.losses.common import (
     masked_min,
     nan_to_zero,
     normalizations,
+    reduce_like_loss,
     zero_outside,
 )
+from compiled_loss.losses.opd import OPDFullConfig, opd_full_normalizations, opd_full_objective, validate_opd_full
 
 Tensor = torch.Tensor
 
-KL_PENALTY_KEY = "kl_penalty"
+_OPD_FULL_INPUTS = frozenset({"opd_full_divergence", "opd_full_entropy", "opd_full_cross_entropy"})
+
 APPROX_ENTROPY_KEY = "approx_entropy"
 
 TISType = Literal["tis", "icepop", "seq-mask-tis"]
@@ -77,6 +82,11 @@ class ClippedPGLossConfig:
     """VAPO μ >= 0: weight of the NLL on positive-reward responses (local denominator)."""
     seq_logprob_error_in_loss: bool = False
     """Drop sequences whose mean exp|lp - lp_gen| exceeds seq_logprob_error_threshold."""
+    metrics_level: Literal["full", "minimal"] = "full"
+    """'minimal': only loss, kl_penalty, num_valid_samples, positive_nll_loss (+ sampling_importance_ratio
+    with IS correction, is_oob_ratio with truncated IS, the in-loss filter's counts); same loss and gradients."""
+    enable_torch_compile: bool = False
+    """The loss compiles its own objective (torch.compile, fullgraph) on its first call, also after unpickling."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -170,11 +180,16 @@ class _Tokens(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ClippedPGLossFn:
-    """Clipped policy-gradient loss (ref §4.1). `cfg`: `ClippedPGLossConfig` or mapping."""
+    """Clipped policy-gradient loss (ref §4.1). `cfg`: `ClippedPGLossConfig` or mapping;
+    `opd_full` (`OPDFullConfig` or mapping): full-vocabulary on-policy distillation instead
+    of the policy-gradient objective (OPD_FULL inputs, `compiled_loss.losses.opd`).
+
+    With `cfg.enable_torch_compile` the objective is compiled on the first call; the
+    compiled function is never pickled or deep-copied (a copy compiles its own)."""
 
     cfg: ClippedPGLossConfig
     use_fused_linear_logprobs: bool = False
-    opd_full: Any = None
+    opd_full: OPDFullConfig | None = None
     _: dataclasses.KW_ONLY
     seq_logprob_error_threshold: float | None = None
 
@@ -183,12 +198,19 @@ class ClippedPGLossFn:
         object.__setattr__(self, "cfg", cfg)
         cfg.validate(self.seq_logprob_error_threshold)
         if self.opd_full is not None:
-            raise NotImplementedError(
-                "ClippedPGLossFn(opd_full=...): compiled_loss has no full-vocabulary on-policy "
-                "distillation branch; pass opd_full=None"
-            )
+            object.__setattr__(self, "opd_full", as_config(self.opd_full, OPDFullConfig, "ClippedPGLossFn(opd_full)"))
+            validate_opd_full(cfg, self.use_fused_linear_logprobs)
+        object.__setattr__(self, "_compiled", None)
 
-    input_type = LossInputType.LOGPROB
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_compiled"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _compiled=None)
+
+    @property
+    def input_type(self) -> LossInputType:
+        return LossInputType.LOGPROB if self.opd_full is None else LossInputType.OPD_FULL
 
     @property
     def loss_type(self) -> LossType:
@@ -211,8 +233,25 @@ class ClippedPGLossFn:
         return cfg.truncated_importance_sampling_type or "tis"
 
     @property
+    def _minimal_metrics(self) -> frozenset[str]:
+        """The metrics `metrics_level='minimal'` keeps."""
+        keys = {"loss", KL_PENALTY_KEY, "num_valid_samples", "positive_nll_loss", "is_oob_ratio",
+                "seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs", "num_masked_seqs_by_logprob_error"}
+        if self.cfg.use_importance_sampling_correction:
+            keys.add("sampling_importance_ratio")
+        return frozenset(keys)
+
+    @property
     def metric_normalizations(self) -> dict[str, MetricNormalizer]:
-        """ref §4.1.3."""
+        """ref §4.1.3 (only the keys the metrics level reports)."""
+        out = self._normalizations()
+        if self.cfg.metrics_level == "minimal":
+            out = {k: v for k, v in out.items() if k in self._minimal_metrics}
+        return out
+
+    def _normalizations(self) -> dict[str, MetricNormalizer]:
+        if self.opd_full is not None:
+            return opd_full_normalizations(self.opd_full, self.cfg.token_level_loss)
         grad = "TOKENS" if self.cfg.token_level_loss else "SEQUENCES"
         out = normalizations(
             TOKENS=("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
@@ -233,6 +272,49 @@ class ClippedPGLossFn:
 
     def __call__(
         self,
+        next_token_logprobs: Tensor | None = None,
+        data: Mapping[str, Tensor] | None = None,
+        global_valid_seqs: Tensor | None = None,
+        global_valid_toks: Tensor | None = None,
+        **opd_full_inputs: Tensor | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`(loss, metrics)`. LOGPROB inputs: `next_token_logprobs [B, S-1]`. OPD_FULL inputs
+        (keywords): `opd_full_divergence`, `opd_full_entropy`, `opd_full_cross_entropy` `[B, S-1]`
+        and `next_token_logprobs` when β ≠ 0."""
+        objective = self._objective
+        if self.cfg.enable_torch_compile and not torch.compiler.is_compiling():
+            if self._compiled is None:
+                object.__setattr__(self, "_compiled", compile_loss(self._objective, fullgraph=True))
+            objective = self._compiled
+        return objective(next_token_logprobs, data, global_valid_seqs, global_valid_toks, **opd_full_inputs)
+
+    def _objective(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **opd_full_inputs):
+        if data is None:
+            raise ValueError("ClippedPGLossFn: data is required")
+        unknown = sorted(set(opd_full_inputs) - _OPD_FULL_INPUTS)
+        if unknown:
+            raise TypeError(f"ClippedPGLossFn: unexpected inputs {unknown}")
+        if self.opd_full is not None:
+            divergence = opd_full_inputs.get("opd_full_divergence")
+            if divergence is None:
+                raise ValueError("ClippedPGLossFn(opd_full): opd_full_divergence ([B, S-1]) is required")
+            loss, metrics = opd_full_objective(
+                self.cfg, self.opd_full, data, global_valid_seqs, global_valid_toks, divergence,
+                opd_full_inputs.get("opd_full_entropy"), opd_full_inputs.get("opd_full_cross_entropy"),
+                next_token_logprobs, self.reference_policy_kl_penalty,
+            )
+        else:
+            if any(v is not None for v in opd_full_inputs.values()):
+                raise ValueError("ClippedPGLossFn: OPD_FULL inputs given to a loss built without opd_full")
+            if next_token_logprobs is None:
+                raise ValueError("ClippedPGLossFn: next_token_logprobs ([B, S-1]) is required")
+            loss, metrics = self._policy_gradient(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+        if self.cfg.metrics_level == "minimal":
+            metrics = {k: v for k, v in metrics.items() if k in self._minimal_metrics}
+        return loss, metrics
+
+    def _policy_gradient(
+        self,
         next_token_logprobs: Tensor,
         data: Mapping[str, Tensor],
         global_valid_seqs: Tensor | None,
@@ -241,7 +323,7 @@ class ClippedPGLossFn:
         cfg, beta = self.cfg, self.reference_policy_kl_penalty
         g_toks, g_seqs = global_valid_toks, global_valid_seqs
         x, extra = self._tokens(next_token_logprobs, data)
-        diagnostics = self._diagnostics(x, g_toks)
+        diagnostics = self._diagnostics(x, g_toks) if cfg.metrics_level == "full" else {}
         kl = self._reference_kl(x, g_toks, g_seqs)
         ratio, ratio_c = self._ratios(x)
         is_w, tis_metrics = self._importance_weights(x, g_toks, g_seqs)
@@ -403,7 +485,5 @@ class ClippedPGLossFn:
         return masked_mean(torch.where(correct > 0, -x.lp, 0.0), correct)
 
     def _reduce(self, per_token: Tensor, x: _Tokens, g_toks: Tensor | None, g_seqs: Tensor | None) -> Tensor:
-        """Token mean (G_t) or sequence mean of per-sequence token means (G_s), ref §13.16."""
-        if self.cfg.token_level_loss:
-            return masked_mean(per_token, x.mask, global_normalization_factor=g_toks)
-        return masked_mean(masked_mean(per_token, x.tm, dim=-1), x.sm, global_normalization_factor=g_seqs)
+        """Token mean (G_t) or sequence mean of per-sequence token means (G_s)."""
+        return reduce_like_loss(per_token, x.tm, x.sm, self.cfg.token_level_loss, g_toks, g_seqs)

@@ -3,8 +3,8 @@
 - `reduce`: `vocab_reduce`, the one primitive (log-partition, picked logits, negative
   entropy, soft cross-entropy against a teacher) with a recomputing backward, over the
   full vocabulary or a tensor-parallel shard of it; `token_logprobs` on top of it; the
-  global top-k `vocab_topk`; the total variation `total_variation` between two rows'
-  distributions;
+  global top-k `vocab_topk`; the total variation `total_variation` and the reverse KL to a
+  fixed teacher `reverse_kl` between two rows' distributions;
 - `fused`: `LinearLogits`, logits held as an LM head's factors (hidden states, weight,
   bias), which every primitive here accepts: the same statistics, chunked, with no
   `[N, V]` logits (`linear_vocab_reduce`);
@@ -18,6 +18,7 @@ from compiled_loss.vocab.fused import LinearLogits, per_position
 from compiled_loss.vocab.reduce import (
     VocabStats,
     check_chunk_size,
+    reverse_kl,
     token_logprobs,
     total_variation,
     vocab_reduce,
@@ -40,6 +41,7 @@ __all__ = [
     "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",
     "per_position",
+    "reverse_kl",
     "sampling_threshold",
     "token_logprobs",
     "total_variation",

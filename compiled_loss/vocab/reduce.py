@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from compiled_loss.parallel import group_rank, group_size
-from compiled_loss.parallel.collectives import all_gather
+from compiled_loss.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
 from compiled_loss.vocab.fused import LinearLogits, linear_vocab_reduce
 from compiled_loss.vocab.sampling import sampling_threshold
 from compiled_loss.vocab.stats import (
@@ -41,6 +41,7 @@ from compiled_loss.vocab.stats import (
     _merge_shards,
     _row_chunks,
     _shard_stats,
+    _xlogp_safe,
     check_chunk_size,
 )
 
@@ -209,3 +210,72 @@ def total_variation(logits: Tensor, teacher: Tensor, chunk_size: int | None = No
     gradient to `logits` only; eager mode works in `chunk_size` row tiles."""
     check_chunk_size(chunk_size)
     return _TotalVariation.apply(logits, teacher.detach(), chunk_size)
+
+
+class _ReverseKL(torch.autograd.Function):
+    """Per row, `KL(softmax(x) ‖ softmax(t))` for a fixed teacher `t`, with the negative
+    entropy `Σ p log p` and the cross-entropy `-Σ p log q` as gradient-free diagnostics.
+    One pass over this rank's vocabulary shard gives, relative to the shard's maxima,
+    `Σe^(x-m)`, `Σe^(x-m)·(x-t)`, `Σe^(x-m)·x`, `Σe^(x-m)·t` and `Σe^(t-mt)`; the shards merge
+    with one max and one sum all-reduce. The KL's own sum `Σ p (x - t)` is accumulated
+    apart from the entropy and cross-entropy sums, so `negent + CE - KL` measures their
+    numerical agreement. The backward recomputes `p` per row chunk:
+    `∂KL/∂x = p ⊙ (log p - log q - KL)`."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher, chunk_size, group):
+        n, vocab = logits.shape
+        parts = []
+        for s, e in _row_chunks(n, vocab, chunk_size):
+            x, t = logits[s:e].float(), teacher[s:e].float()
+            m = x.amax(-1).clamp(min=torch.finfo(torch.float32).min)
+            mt = t.amax(-1).clamp(min=torch.finfo(torch.float32).min)
+            ex = torch.exp(x - m[:, None])
+            sums = [ex.sum(-1), _xlogp_safe(ex, x - t).sum(-1), _xlogp_safe(ex, x).sum(-1),
+                    _xlogp_safe(ex, t).sum(-1)]
+            parts.append((torch.stack([m, mt], -1), torch.stack(sums, -1), torch.exp(t - mt[:, None]).sum(-1)))
+        maxima, sums, teacher_sum = (torch.cat(p) for p in zip(*parts))
+        merged = all_reduce_max(maxima, group)
+        scale = torch.exp(maxima - merged)
+        total = all_reduce_sum(torch.cat([sums * scale[:, :1], (teacher_sum * scale[:, 1])[:, None]], -1), group)
+        lse, teacher_lse = merged[:, 0] + torch.log(total[:, 0]), merged[:, 1] + torch.log(total[:, 4])
+        kl = total[:, 1] / total[:, 0] - lse + teacher_lse
+        negent = total[:, 2] / total[:, 0] - lse
+        cross_entropy = teacher_lse - total[:, 3] / total[:, 0]
+        ctx.save_for_backward(logits, teacher, lse, teacher_lse, kl)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(negent, cross_entropy)
+        return kl, negent, cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_kl, _negent, _cross):
+        logits, teacher, lse, teacher_lse, kl = ctx.saved_tensors
+        n, vocab = logits.shape
+        grad = torch.empty_like(logits)
+        for s, e in _row_chunks(n, vocab, ctx.chunk_size):
+            x, t = logits[s:e].float(), teacher[s:e].float()
+            p = torch.exp(x - lse[s:e, None])
+            log_ratio = (x - lse[s:e, None]) - (t - teacher_lse[s:e, None]) - kl[s:e, None]
+            g = _xlogp_safe(p, log_ratio) * grad_kl[s:e, None]
+            grad[s:e] = torch.where(grad_kl[s:e, None] != 0, g, 0.0).to(grad.dtype)
+        return grad, None, None, None
+
+
+def reverse_kl(
+    logits: Tensor, teacher: Tensor, *, chunk_size: int | None = None, group: Any = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row of `[N, V]`, `KL(p ‖ q)` between the distributions of `logits` (`p`) and of a
+    fixed `teacher` (`q`, detached), and two diagnostics without gradient: the negative
+    entropy `Σ p log p` and the cross-entropy `-Σ p log q` (so `KL = negent + CE`); each
+    fp32 `[N]`. Gradient to `logits` only; eager mode works in `chunk_size` row tiles.
+    With a tensor-parallel `group` both are this rank's vocabulary shard and the results
+    are the full vocabulary's."""
+    check_chunk_size(chunk_size)
+    if isinstance(logits, LinearLogits):
+        raise ValueError("reverse_kl: pass the student's logits tensor, not LinearLogits")
+    if teacher.shape != logits.shape:
+        raise ValueError(
+            f"reverse_kl: teacher logits must match the logits' shape {tuple(logits.shape)}, "
+            f"got {tuple(teacher.shape)}"
+        )
+    return _ReverseKL.apply(logits, teacher.detach(), chunk_size, group)

@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from cases import CASE_BY_NAME, boundaries, globals_for, make_batch, pack_logits
+from cases import CASE_BY_NAME, TEACHER_HEADS, boundaries, globals_for, make_batch, pack_logits
 from ranks import run_on_ranks
 
 from compiled_loss.loss_input import prepare_loss_input
@@ -29,7 +29,7 @@ from compiled_loss.wrapper import (
 )
 
 LOSSES = ["grpo", "grpo_topk_topp", "gspo_tis", "nll", "dpo_sft", "distill_mixed_zero_outside",
-          "distill_reverse", "mse_value_clipped"]
+          "distill_reverse", "opd_full_logits", "opd_full_hidden_seq_level", "mse_value_clipped"]
 WRAPPERS = ["unpacked", "per_sequence", "fused", "draft_packed", "draft_unpacked"]
 LENGTHS, PADS, WIDTH = [6, 3, 8, 2], [2, 1, 0, 2], 8  # padded lengths 8, 4, 8, 4: multiples of 2·cp
 D2T = torch.tensor([0, 1, 1, 3, 5, 5, 6, 8])  # an 8-id draft vocabulary
@@ -38,7 +38,8 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # of each other input type; every case runs eagerly at every (tp, cp)
 COMPILED = {("grpo_topk_topp", w) for w in WRAPPERS} | {
     ("distill_mixed_zero_outside", "fused"), ("distill_reverse", "per_sequence"), ("mse_value_clipped", "unpacked"),
-    ("dpo_sft", "fused"), ("nll", "per_sequence")}
+    ("dpo_sft", "fused"), ("nll", "per_sequence"), ("opd_full_logits", "fused"),
+    ("opd_full_hidden_seq_level", "per_sequence")}
 
 
 def _groups(rank: int, world: int, tp: int, cp: int):
@@ -60,17 +61,24 @@ def _wrapper(which, case, student, tp_group=None, cp_group=None):
     groups = dict(vocab_parallel_group=tp_group, context_parallel_group=cp_group)
     cu, cup = boundaries(LENGTHS, PADS)
     loss_fn = case.make_loss()
+    prepare = case.prepare
+    if case.teacher_heads and tp_group is not None:  # each TP rank holds its vocabulary shard of the teacher heads
+        tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        heads = {k: w.chunk(tp)[rank] for k, w in TEACHER_HEADS.items()}
+
+        def prepare(packed):
+            return functools.partial(case.prepare(packed), teacher_output_layer_weight_by_index=heads)
     if which == "unpacked":
         return functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
-                                 prepare_fn=case.prepare(packed=False), **groups)
+                                 prepare_fn=prepare(packed=False), **groups)
     if which in ("per_sequence", "fused"):
         cls = SequencePackingFusionLossWrapper if which == "fused" else SequencePackingLossWrapper
-        return cls(loss_fn, case.prepare(packed=which == "fused"), cu, cup, **groups)
+        return cls(loss_fn, prepare(packed=which == "fused"), cu, cup, **groups)
     if which == "draft_unpacked":
         policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
-                                   prepare_fn=case.prepare(packed=False), **groups)
+                                   prepare_fn=prepare(packed=False), **groups)
         return DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=D2T), None, 0.3, **groups)
-    policy = SequencePackingFusionLossWrapper(loss_fn, case.prepare(packed=True), cu, cup, **groups)
+    policy = SequencePackingFusionLossWrapper(loss_fn, prepare(packed=True), cu, cup, **groups)
     return DraftLossWrapper(policy, None, None, 0.3, cu_seqlens_q=cu, cu_seqlens_q_padded=cup, d2t=D2T,
                             student_logits=student, **groups)
 
