@@ -141,8 +141,9 @@ class SequencePackingLossWrapper(_PackingWrapper):
 
 class SequencePackingFusionLossWrapper(_PackingWrapper):
     """Fused packing (ref §7.3): `prepare_fn` is `prepare_packed_loss_input`, which does the
-    vocab work once over the packed logits. Supports LOGIT, LOGPROB and DISTILLATION
-    losses and matches `SequencePackingLossWrapper` (loss, gradients, metrics)."""
+    vocab work once over the packed logits. Supports LOGIT, LOGPROB, DISTILLATION,
+    DISTILLATION_CROSS_TOKENIZER and OPD_FULL losses and matches `SequencePackingLossWrapper`
+    (loss, gradients, metrics)."""
 
     _fused = True
 

@@ -17,6 +17,7 @@ had already compiled.
     compiled-loss-audit --full                            # every loss × packing × draft × dtype
     compiled-loss-audit loss=clipped_pg,dpo packing=fused dtype=bf16 batches=50
     compiled-loss-audit head=linear loss=clipped_pg,distillation   # the fused LM head (LinearLogits)
+    compiled-loss-audit metrics=minimal loss=clipped_pg,gspo       # policy-gradient losses' minimal metrics
     compiled-loss-audit --target mypkg.losses:my_loss --inputs mypkg.losses:samples
     torchrun --nproc-per-node 4 -m compiled_loss.audit.cli tp=2 cp=2 loss=clipped_pg packing=fused
 
@@ -49,7 +50,8 @@ from compiled_loss.train.recorder import CompileRecorder, CompileReport
 
 Tensor = torch.Tensor
 
-LOSSES = ("clipped_pg", "gspo", "cispo", "reinforce", "nll", "dpo", "distillation", "mse_value")
+LOSSES = ("clipped_pg", "gspo", "cispo", "reinforce", "opd_full", "nll", "dpo", "distillation", "mse_value")
+_POLICY_GRADIENT = ("clipped_pg", "gspo", "cispo", "reinforce", "opd_full")  # the losses with a metrics_level
 PACKINGS = ("none", "per_sequence", "fused")
 DRAFTS = ("none", "eagle3", "dflash")
 DTYPES = ("fp32", "bf16")
@@ -65,6 +67,7 @@ SUBSET = (
     ("nll", "fused", "none", "bf16", "aot_eager"),
     ("dpo", "per_sequence", "none", "fp32", "aot_eager"),
     ("distillation", "fused", "none", "fp32", "aot_eager"),
+    ("opd_full", "per_sequence", "none", "fp32", "aot_eager"),
     ("mse_value", "none", "none", "fp32", "aot_eager"),
     ("nll", "per_sequence", "eagle3", "bf16", "aot_eager"),
     ("clipped_pg", "none", "dflash", "fp32", "aot_eager"),
@@ -145,14 +148,23 @@ def drive(name: str, fn: Callable[..., Any], samples: Iterable[tuple[Any, Any, A
 # ---- the project's own matrix ---------------------------------------------------------
 
 
+def _variant(loss: str, opts: dict[str, list[str]]) -> tuple[list[str], str]:
+    """The config overrides and label suffix of the `head=` / `metrics=` choices for `loss`."""
+    overrides, suffix = [], ""
+    if opts.get("head") == ["linear"]:
+        overrides, suffix = ["logprob.fused_linear=true"], "/linear"
+    if opts.get("metrics") == ["minimal"] and loss in _POLICY_GRADIENT:
+        overrides, suffix = overrides + ["loss.metrics_level=minimal"], suffix + "/minimal"
+    return overrides, suffix
+
+
 def _config(loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int, sizes=(1, 1, 1),
-            linear: bool = False):
+            variant: list[str] = ()):
     from compiled_loss.app import compose_config
 
     overrides = [f"loss={loss}", f"packing={packing}", f"draft={draft}", f"compile.backend={backend}",
                  f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}", f"run.steps={steps}", *_SIZES,
-                 *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes)),
-                 *(["logprob.fused_linear=true"] if linear else [])]
+                 *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes)), *variant]
     return compose_config(*overrides)
 
 
@@ -210,6 +222,7 @@ def _random_model_outputs(batch: dict[str, Tensor], cfg, gen: torch.Generator) -
         "reference_policy_logprobs": lp + 0.1 * torch.randn(rows, width, generator=gen),
         "teacher_topk_logits": torch.randn(rows, width, k, generator=gen),
         "teacher_topk_indices": torch.randint(0, cfg.model.vocab_size, (rows, width, k), generator=gen),
+        "opd_full_teacher_payload": torch.randn(rows, width, cfg.model.vocab_size, generator=gen),
         "values": torch.randn(rows, width, generator=gen),
         "returns": batch["rewards"][:, None] * batch["token_mask"],
     }
@@ -288,20 +301,22 @@ def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[tuple[s
         rows = [row + (backend or "inductor",) for row in itertools.product(*choices)
                 if row[0] != "mse_value" or row[2] == "none"]
         batches, steps = 200, 20
-    if opts.get("head") == ["linear"]:  # the fused LM head: no value head, no drafter (it reads the logits)
-        rows = [row for row in rows if row[0] != "mse_value" and row[2] == "none"]
+    if opts.get("head") == ["linear"]:  # the fused LM head: no value head, OPD or drafter (they read the logits)
+        rows = [row for row in rows if row[0] not in ("mse_value", "opd_full") and row[2] == "none"]
     if not rows:
         raise SystemExit("no configuration to audit: loss=mse_value takes no drafter and no head=linear, and "
                          "head=linear takes no drafter")
     return rows, batches, steps
 
 
-def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int, linear: bool = False) -> list[Drive]:
+def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int,
+                 opts: dict[str, list[str]] | None = None) -> list[Drive]:
     drives = []
     for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
-        label = f"{loss}/{packing}/{draft}/{dtype}{'/linear' if linear else ''}"
+        variant, suffix = _variant(loss, opts or {})
+        label = f"{loss}/{packing}/{draft}/{dtype}{suffix}"
         print(f"[{i}/{len(rows)}] {label} ({backend})", flush=True)
-        cfg = _config(loss, packing, draft, dtype, backend, steps, linear=linear)
+        cfg = _config(loss, packing, draft, dtype, backend, steps, variant=variant)
         found = []
         if draft == "none":  # the wrapper does not read the drafter: audited once per loss / packing / dtype
             samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
@@ -316,7 +331,7 @@ def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int, linear: 
 
 
 def audit_distributed(rows: list[tuple[str, ...]], steps: int, sizes: tuple[int, int, int],
-                      linear: bool = False) -> list[Drive]:
+                      opts: dict[str, list[str]] | None = None) -> list[Drive]:
     """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp)
     groups; every rank returns every rank's drives (the step's loss graph, and the model,
     which compiles apart around DDP), labelled with their rank."""
@@ -329,10 +344,11 @@ def audit_distributed(rows: list[tuple[str, ...]], steps: int, sizes: tuple[int,
     groups = init_parallel(ParallelConfig(tp=tp, cp=cp, dp=dp))
     mine: list[Drive] = []
     for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
-        label = f"{loss}/{packing}/{draft}/{dtype}{'/linear' if linear else ''} tp{tp}cp{cp}dp{dp}"
+        variant, suffix = _variant(loss, opts or {})
+        label = f"{loss}/{packing}/{draft}/{dtype}{suffix} tp{tp}cp{cp}dp{dp}"
         if groups.rank == 0:
             print(f"[{i}/{len(rows)}] {label} ({backend}, {tp * cp * dp} ranks)", flush=True)
-        cfg = _config(loss, packing, draft, dtype, backend, steps, sizes, linear)
+        cfg = _config(loss, packing, draft, dtype, backend, steps, sizes, variant)
         mine += _audit_step(cfg, f"rank {groups.rank} {label} step", seed=i, groups=groups)
     gathered: list[Any] = [None] * groups.rank_count
     dist.all_gather_object(gathered, mine)
@@ -407,7 +423,8 @@ def markdown(drives: list[Drive]) -> str:
 
 
 def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
-    allowed = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES, "head": ("logits", "linear")}
+    allowed = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES, "head": ("logits", "linear"),
+               "metrics": ("full", "minimal")}
     scalars = ("batches", "steps", "backend", "tp", "cp", "dp")
     out: dict[str, list[str]] = {}
     for item in items:
@@ -422,6 +439,8 @@ def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
                 raise SystemExit(f"{key}={','.join(bad)}: not a valid choice; valid choices: {list(allowed[key])}")
         if key == "head" and len(values) != 1:
             raise SystemExit(f"head={value}: one value, logits or linear (a run audits one LM-head path)")
+        if key == "metrics" and len(values) != 1:
+            raise SystemExit(f"metrics={value}: one value, full or minimal (the policy-gradient losses' metrics_level)")
         out[key] = values
     return out
 
@@ -431,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "overrides", nargs="*",
-        help="loss=…, packing=…, draft=…, dtype=…, head=logits|linear, batches=N, steps=N, backend=…; tp=N cp=N "
+        help="loss=…, packing=…, draft=…, dtype=…, head=logits|linear, metrics=full|minimal, batches=N, steps=N, "
+             "backend=…; tp=N cp=N "
              "dp=N under torchrun",
     )
     parser.add_argument("--target", help="audit a callable instead: package.module:function")
@@ -442,7 +462,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     opts = _parse_overrides(args.overrides)
     sizes = tuple(int(opts.get(k, ["1"])[0]) for k in ("tp", "cp", "dp"))
-    linear = opts.get("head") == ["linear"]
     lead = int(os.environ.get("RANK", "0")) == 0
     if lead:
         print(HEADER, flush=True)
@@ -454,14 +473,14 @@ def main(argv: list[str] | None = None) -> int:
         print(_line(drives[0]))
     elif sizes != (1, 1, 1):
         rows, _, steps = configurations(opts, args.full)
-        drives = audit_distributed(rows, int(opts.get("steps", [steps])[0]), sizes, linear)
+        drives = audit_distributed(rows, int(opts.get("steps", [steps])[0]), sizes, opts)
         if lead:
             for d in drives:
                 print(_line(d), flush=True)
     else:
         rows, batches, steps = configurations(opts, args.full)
         drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]),
-                              linear)
+                              opts)
     failing = [d for d in drives if d.failures()]
     if not lead:
         return 1 if failing else 0

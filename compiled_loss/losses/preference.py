@@ -1,9 +1,19 @@
-"""Pairwise preference losses: the reward-model loss and DPO (ref §4.3–4.4).
+"""Pairwise preference losses: the reward-model loss, DPO and MPO (ref §4.3–4.4).
 
 Rows are (chosen, rejected) pairs, interleaved: even rows chosen, odd rows rejected. When
 the data names its pairs (`pair_index` `[B]` and `is_chosen` `[B]`, ref §4.3), the rows are
 first put in that order by a stable sort on `(pair_index, rejected)` — a static-shape
 gather, so it traces; `check_pairs` validates the naming on the host.
+
+MPO (mixed preference optimisation) is DPO's preference and chosen-SFT terms plus a BCO
+quality term: the implicit reward `r = β·Σ_t (lp - ref)` of each row (averaged over its
+tokens with `quality_average_log_probs`) is a binary classifier score, chosen rows "good",
+rejected rows "bad", both shifted by the running mean reward `δ`:
+`bco = masked_mean(-log σ(r_c - δ), sm_c, G_s/2) + masked_mean(-log σ(-(r_r - δ)), sm_r, G_s/2)`.
+The loss is stateless: the driver owns `δ`, passes it as `data["reward_shift"]` (`[B]`,
+every row the current `δ`, so it splits and packs like any row tensor and a new `δ` never
+recompiles), reads the summed metrics `bco_reward_sum` / `bco_reward_count` after each
+step, and updates `δ` with `update_reward_shift`.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from compiled_loss.losses.common import (
     masked_mean,
     normalizations,
     require_keys,
+    require_shape,
     zero_outside,
 )
 from compiled_loss.losses.nll import NLLLossFn
@@ -76,6 +87,11 @@ def pair_order(data: Mapping[str, Tensor]) -> Tensor | None:
     return torch.argsort(key, stable=True)
 
 
+def _pairs(global_valid_seqs: Tensor | None) -> Tensor | None:
+    """The pair count G_s/2 that normalises every per-pair term."""
+    return None if global_valid_seqs is None else global_valid_seqs / 2
+
+
 def _preference_loss(
     rewards: Tensor, sample_mask: Tensor, global_valid_seqs: Tensor | None, beta: float = 1.0
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -85,7 +101,7 @@ def _preference_loss(
     sm_chosen, sm_rejected = sample_mask[::2], sample_mask[1::2]
     (rejected_own,) = zero_outside(sm_rejected, rejected)  # its own mean reads its own mask
     chosen, rejected = zero_outside(sm_chosen, chosen, rejected)  # a pair counts by its chosen row
-    g_pairs = None if global_valid_seqs is None else global_valid_seqs / 2
+    g_pairs = _pairs(global_valid_seqs)
     per_pair = -F.logsigmoid(beta * (chosen - rejected)) * sm_chosen
     loss = masked_mean(per_pair, sm_chosen, global_normalization_factor=g_pairs)
     return loss, {
@@ -141,6 +157,12 @@ class PreferenceLossFn:
         return loss, {"loss": loss.detach(), **metrics}
 
 
+def _require_non_negative(cfg: object, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        require(value >= 0, f"{name} must be finite and >= 0, got {value}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPOLossConfig:
     """Configuration of `DPOLossFn` (ref §4.4; defaults are the reference's)."""
@@ -158,9 +180,36 @@ class DPOLossConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name in ("reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight"):
-            value = getattr(self, name)
-            require(value >= 0, f"{name} must be finite and >= 0, got {value}")
+        _require_non_negative(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight")
+
+
+def _pair_logratios(lp: Tensor, data: Mapping[str, Tensor], who: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Checked DPO inputs: `token_mask[:, 1:]`, `sample_mask` and the per-token log-ratio
+    `lp - ref` `[B, S-1]`, zero outside the token mask (`ref` is pre-rolled, ref §1.2)."""
+    check_logprob_inputs(lp, data, ("reference_policy_logprobs",), who)
+    check_even_rows(lp.shape[0], who)
+    tm, sm = float_masks(data, lp.dtype)
+    lp_tm, ref = zero_outside(tm, lp, data["reference_policy_logprobs"][:, :-1])
+    return tm, sm, lp_tm - ref
+
+
+def _sequence_logratios(logratio: Tensor, tm: Tensor, average: bool) -> Tensor:
+    """Per row `Σ_t (lp - ref)·tm` (sample mask not applied), or its mean over the tokens."""
+    reward = (logratio * tm).sum(-1)
+    return reward / tm.sum(-1).clamp(min=1) if average else reward
+
+
+def _in_pair_order(order: Tensor | None, *rows: Tensor) -> tuple[Tensor, ...]:
+    return rows if order is None else tuple(r[order] for r in rows)
+
+
+def _chosen_sft(lp: Tensor, data: Mapping[str, Tensor], order: Tensor | None, sm: Tensor, average: bool,
+                global_valid_seqs: Tensor | None) -> Tensor:
+    """The chosen rows' summed (or averaged) NLL, `masked_mean` over chosen rows with G_s/2
+    (`sm` already in pair order)."""
+    per_row, _ = NLLLossFn()(lp, data, None, None, dpo_loss=True, dpo_average_log_probs=average)
+    (per_row,) = _in_pair_order(order, per_row)
+    return masked_mean(per_row[::2], sm[::2], global_normalization_factor=_pairs(global_valid_seqs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,28 +249,15 @@ class DPOLossFn:
         who = "DPOLossFn"
         cfg = self.cfg
         lp = next_token_logprobs
-        check_logprob_inputs(lp, data, ("reference_policy_logprobs",), who)
-        check_even_rows(lp.shape[0], who)
-        tm, sm = float_masks(data, lp.dtype)
-        lp_tm, ref = zero_outside(tm, lp, data["reference_policy_logprobs"][:, :-1])
-        reward = ((lp_tm - ref) * tm).sum(-1)
-        if cfg.preference_average_log_probs:
-            reward = reward / tm.sum(-1).clamp(min=1)
-        if cfg.sft_loss_weight > 0:
-            if global_valid_toks is None:
-                raise ValueError(f"{who}: sft_loss_weight > 0 requires global_valid_toks")
-            sft_per_row, _ = NLLLossFn()(
-                lp, data, global_valid_seqs, global_valid_toks,
-                dpo_loss=True, dpo_average_log_probs=cfg.sft_average_log_probs,
-            )
+        tm, sm, logratio = _pair_logratios(lp, data, who)
+        reward = _sequence_logratios(logratio, tm, cfg.preference_average_log_probs)
+        if cfg.sft_loss_weight > 0 and global_valid_toks is None:
+            raise ValueError(f"{who}: sft_loss_weight > 0 requires global_valid_toks")
         order = pair_order(data)
-        if order is not None:
-            reward, sm = reward[order], sm[order]
+        reward, sm = _in_pair_order(order, reward, sm)
         pref_loss, pref_metrics = _preference_loss(reward, sm, global_valid_seqs, cfg.reference_policy_kl_penalty)
         if cfg.sft_loss_weight > 0:
-            sft_per_row = sft_per_row if order is None else sft_per_row[order]
-            g_pairs = None if global_valid_seqs is None else global_valid_seqs / 2
-            sft = masked_mean(sft_per_row[::2], sm[::2], global_normalization_factor=g_pairs)
+            sft = _chosen_sft(lp, data, order, sm, cfg.sft_average_log_probs, global_valid_seqs)
         else:
             sft = lp.new_zeros(())
         loss = cfg.sft_loss_weight * sft + cfg.preference_loss_weight * pref_loss
@@ -230,4 +266,130 @@ class DPOLossFn:
             "sft_loss": sft.detach(),
             "preference_loss": pref_loss.detach(),
             **pref_metrics,
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MPOLossConfig:
+    """Configuration of `MPOLossFn` (the newer reference's keys and defaults, ref §4.4)."""
+
+    reference_policy_kl_penalty: float = 0.05
+    """β: scale of the implicit reward log π/π_ref in the preference and BCO terms; finite and >= 0."""
+    preference_loss_weight: float = 1.0
+    """Weight of the preference (Bradley–Terry) term; >= 0."""
+    sft_loss_weight: float = 0.0
+    """Weight of the NLL on chosen responses; >= 0 (0 disables)."""
+    bco_loss_weight: float = 1.0
+    """Weight of the BCO quality term; >= 0."""
+    preference_average_log_probs: bool = False
+    """Average the preference term's implicit reward over the response tokens instead of summing."""
+    sft_average_log_probs: bool = False
+    """Average the chosen-response NLL over its tokens instead of summing."""
+    quality_average_log_probs: bool = False
+    """Average the BCO term's implicit reward over the response tokens instead of summing."""
+    reward_shift_momentum: float = 0.99
+    """Decay of the driver's EMA of the BCO reward (`update_reward_shift`), in [0, 1)."""
+    reward_shift: float = 0.0
+    """δ the driver starts its EMA from (the loss reads the current δ from `data["reward_shift"]`)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        _require_non_negative(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight",
+                              "bco_loss_weight")
+        m = self.reward_shift_momentum
+        require(0.0 <= m < 1.0, f"reward_shift_momentum must be in [0, 1), got {m}")
+
+
+def update_reward_shift(reward_shift: float, reward_sum: float, reward_count: float, momentum: float) -> float:
+    """The driver's EMA step after an optimizer step: `δ ← momentum·δ + (1 - momentum)·sum/count`,
+    with `sum` / `count` the global batch's summed `bco_reward_sum` / `bco_reward_count`
+    metrics; `δ` is unchanged when the count is 0."""
+    if reward_count <= 0:
+        return reward_shift
+    return momentum * reward_shift + (1.0 - momentum) * reward_sum / reward_count
+
+
+def _bco_loss(
+    rewards: Tensor, shift: Tensor, sample_mask: Tensor, global_valid_seqs: Tensor | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The BCO quality term over interleaved (chosen, rejected) rows, each row read under its
+    own sample mask, and its reward metrics."""
+    g_pairs = _pairs(global_valid_seqs)
+    sm_c, sm_r = sample_mask[::2], sample_mask[1::2]
+    chosen, shift_c = zero_outside(sm_c, rewards[::2], shift[::2])
+    rejected, shift_r = zero_outside(sm_r, rewards[1::2], shift[1::2])
+    loss = masked_mean(-F.logsigmoid(chosen - shift_c) * sm_c, sm_c, global_normalization_factor=g_pairs)
+    loss = loss + masked_mean(-F.logsigmoid(shift_r - rejected) * sm_r, sm_r, global_normalization_factor=g_pairs)
+    (own,) = zero_outside(sample_mask, rewards.detach())
+    return loss, {
+        "bco_rewards_chosen_mean": masked_mean(chosen.detach(), sm_c, global_normalization_factor=g_pairs),
+        "bco_rewards_rejected_mean": masked_mean(rejected.detach(), sm_r, global_normalization_factor=g_pairs),
+        "bco_reward_sum": (own * sample_mask).sum(),
+        "bco_reward_count": sample_mask.sum(),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class MPOLossFn:
+    """Mixed preference optimisation: DPO's preference and chosen-SFT terms plus a BCO
+    quality term shifted by the driver's running reward mean (see the module docstring).
+
+    Reads `data["reward_shift"]` `[B]` beside DPO's keys; `reference_policy_logprobs` is
+    pre-rolled as for `DPOLossFn`.
+    """
+
+    cfg: MPOLossConfig
+    use_fused_linear_logprobs: bool = False
+
+    loss_type = LossType.SEQUENCE_LEVEL
+    input_type = LossInputType.LOGPROB
+    rows_are_pairs = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cfg", as_config(self.cfg, MPOLossConfig, "MPOLossFn"))
+
+    @property
+    def reference_policy_kl_penalty(self) -> float:
+        return self.cfg.reference_policy_kl_penalty
+
+    @property
+    def metric_normalizations(self) -> dict[str, MetricNormalizer]:
+        return normalizations(
+            SEQUENCES=("loss", "sft_loss", "preference_loss", "bco_loss", "accuracy", "rewards_chosen_mean",
+                       "rewards_rejected_mean", "bco_rewards_chosen_mean", "bco_rewards_rejected_mean"),
+            NONE=("num_valid_samples", "bco_reward_sum", "bco_reward_count"),
+        )
+
+    def __call__(
+        self,
+        next_token_logprobs: Tensor,
+        data: Mapping[str, Tensor],
+        global_valid_seqs: Tensor | None,
+        global_valid_toks: Tensor | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        who = "MPOLossFn"
+        cfg = self.cfg
+        lp = next_token_logprobs
+        tm, sm, logratio = _pair_logratios(lp, data, who)
+        require_keys(data, ("reward_shift",), who)
+        require_shape(data["reward_shift"], (lp.shape[0],), "data['reward_shift'] ([B])", who)
+        beta = cfg.reference_policy_kl_penalty
+        reward = _sequence_logratios(logratio, tm, cfg.preference_average_log_probs)
+        quality = beta * _sequence_logratios(logratio, tm, cfg.quality_average_log_probs)
+        order = pair_order(data)
+        reward, quality, shift, sm = _in_pair_order(order, reward, quality, data["reward_shift"].to(lp.dtype), sm)
+        pref_loss, pref_metrics = _preference_loss(reward, sm, global_valid_seqs, beta)
+        bco, bco_metrics = _bco_loss(quality, shift, sm, global_valid_seqs)
+        if cfg.sft_loss_weight > 0:
+            sft = _chosen_sft(lp, data, order, sm, cfg.sft_average_log_probs, global_valid_seqs)
+        else:
+            sft = lp.new_zeros(())
+        loss = cfg.preference_loss_weight * pref_loss + cfg.sft_loss_weight * sft + cfg.bco_loss_weight * bco
+        return loss, {
+            "loss": loss.detach(),
+            "sft_loss": sft.detach(),
+            "preference_loss": pref_loss.detach(),
+            "bco_loss": bco.detach(),
+            **pref_metrics,
+            **bco_metrics,
         }

@@ -77,7 +77,8 @@ def sequence_packing_loss(
     consumer) and `prepare_fn` runs once. `fused=True`: `prepare_fn` (of the
     `prepare_packed_loss_input` kind) works on the packed logits directly and gets the
     layout. Either way `loss_fn` runs once on data zero-padded to the bucket and zeroed
-    past each sequence's length.
+    past each sequence's length — except the keys a loss names in `teacher_logits_keys`
+    (a cross-tokenizer teacher's logits, indexed by the teacher's own positions).
     """
     if getattr(loss_fn, "input_type", None) == LossInputType.DISTILLATION and not (
         "token_mask" in data and "sample_mask" in data
@@ -89,7 +90,9 @@ def sequence_packing_loss(
         )
     layout = layout.on(next_token_logits.device)
     packed = per_position(next_token_logits, lambda x: layout.slots(x, "next_token_logits"))
-    data = layout.truncate(layout.pad_data(data))
+    data = layout.pad_data(data)
+    teacher_positions = {k: data[k] for k in getattr(loss_fn, "teacher_logits_keys", ()) if k in data}
+    data = {**layout.truncate({k: v for k, v in data.items() if k not in teacher_positions}), **teacher_positions}
     groups = dict(
         vocab_parallel_rank=vocab_parallel_rank,
         vocab_parallel_group=vocab_parallel_group,

@@ -211,6 +211,7 @@ class TrainStep:
     def __init__(
         self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         groups: ParallelGroups = ParallelGroups(), draft_runtime: DraftRuntimeBase | None = None,
+        loss_fn: Any = None,
     ) -> None:
         self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
         self.draft_runtime, self.global_batch = draft_runtime, -1
@@ -220,7 +221,7 @@ class TrainStep:
         # DDP averages the replicas' gradients over all tp·cp·dp ranks; their sum, divided by
         # cp (each CP rank's logit gradient is cp × its share, ref §10), is the gradient
         self.loss_scale = tp * dp
-        self.loss_fn = build_loss(cfg.loss)
+        self.loss_fn = build_loss(cfg.loss) if loss_fn is None else loss_fn
         self.pairs = getattr(self.loss_fn, "rows_are_pairs", False)
         self.buckets: set[tuple[int, ...]] = set()
         packing = cfg.packing
@@ -365,9 +366,11 @@ class TrainStep:
 
 def build_train_step(
     cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ParallelGroups = ParallelGroups(),
-    draft_runtime: DraftRuntimeBase | None = None,
+    draft_runtime: DraftRuntimeBase | None = None, loss_fn: Any = None,
 ) -> TrainStep:
     """The compiled training step a config describes (see the module docstring); with a
     `draft_runtime`, the drafter trains in the same graph on the policy's outputs at its
-    `aux_layers` (the optimizer must hold the drafter's parameters too)."""
-    return TrainStep(cfg, model, optimizer, groups, draft_runtime)
+    `aux_layers` (the optimizer must hold the drafter's parameters too). `loss_fn`: the loss
+    object, for losses whose construction needs more than their config (default:
+    `build_loss(cfg.loss)`)."""
+    return TrainStep(cfg, model, optimizer, groups, draft_runtime, loss_fn)

@@ -169,7 +169,7 @@ def test_help_lists_the_real_options_of_each_group():
     out = subprocess.run([sys.executable, "-m", "compiled_loss.run", "--help"], check=True, capture_output=True,
                          text=True).stdout
     groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
-    assert "loss: cispo, clipped_pg, distillation, dpo, gspo, mse_value, nll, reinforce" in groups
+    assert "loss: cispo, clipped_pg, cross_tokenizer, distillation, dpo, gspo, mpo, mse_value, nll, opd_full, reinforce" in groups
     assert "packing: fused, none, per_sequence" in groups
     assert "schema" not in groups
 

@@ -16,13 +16,17 @@ from compiled_loss.loss_functions import (
     ClippedPGLossConfig,
     ClippedPGLossFn,
     ConfigError,
+    CrossTokenizerDistillationLossConfig,
     DistillationLossConfig,
     DistillationLossFn,
     DPOLossConfig,
+    MPOLossConfig,
     MseValueLossConfig,
+    OPDFullConfig,
 )
 
-CONFIGS = [ClippedPGLossConfig, DPOLossConfig, DistillationLossConfig, MseValueLossConfig]
+CONFIGS = [ClippedPGLossConfig, DPOLossConfig, DistillationLossConfig, MseValueLossConfig, MPOLossConfig,
+           CrossTokenizerDistillationLossConfig, OPDFullConfig]
 
 
 @pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)

@@ -177,3 +177,39 @@ def test_minimal_metrics_level(name, mode):
 def test_metrics_level_is_checked():
     with pytest.raises(ValueError, match="metrics_level"):
         ClippedPGLossConfig(metrics_level="some")
+
+
+def test_other_public_objects_round_trip():
+    """Configs compare equal after the copy; objects holding tensors give the same results."""
+    from compiled_loss.draft.dflash import DFlashConfig
+    from compiled_loss.draft.eagle3 import Eagle3Config
+    from compiled_loss.loss_functions import (
+        DistillationLossConfig,
+        DPOLossConfig,
+        DraftCrossEntropyLossFn,
+        MseValueLossConfig,
+        OPDFullConfig,
+        PreferenceLossFn,
+    )
+    from compiled_loss.loss_input import TrainingSamplingParams
+    from compiled_loss.packing import BucketGrid, PackedLayout
+    from compiled_loss.vocab import DraftVocab
+
+    for obj in (DistillationLossConfig(kl_type="reverse"), DPOLossConfig(sft_loss_weight=0.5), MseValueLossConfig(),
+                OPDFullConfig(chunk_size=4), TrainingSamplingParams(top_k=4, top_p=0.9), BucketGrid(tokens=64),
+                Eagle3Config(), DFlashConfig(), PreferenceLossFn(), DraftCrossEntropyLossFn(token_chunk_size=3)):
+        assert all(copied == obj for copied in _round_trips(obj)), obj
+    g = torch.Generator().manual_seed(9)
+    teacher, student = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    mask, sm = torch.ones(2, 5), torch.ones(2)
+    draft_ce = DraftCrossEntropyLossFn(token_chunk_size=3)
+    want = draft_ce(teacher, student, mask, {"sample_mask": sm}, sm.sum(), mask.sum())
+    for copied in _round_trips(draft_ce):
+        assert torch.equal(copied(teacher, student, mask, {"sample_mask": sm}, sm.sum(), mask.sum()), want)
+    vocab = DraftVocab.build(torch.tensor([0, 1, 1, 3]))
+    for copied in _round_trips(vocab):
+        assert torch.equal(copied.target_ids, vocab.target_ids) and copied.max_target == vocab.max_target
+    layout = PackedLayout.build((0, 3, 7), (0, 4, 8), grid=BucketGrid(tokens=16, rows=4, width=8))
+    x = torch.arange(16.0)
+    for copied in _round_trips(layout):
+        assert torch.equal(copied.unpack(x, 8), layout.unpack(x, 8))
