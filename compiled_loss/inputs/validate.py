@@ -19,8 +19,10 @@ Tensor = torch.Tensor
 
 TOKEN_KEYS = ("input_ids", "token_mask", "advantages", "prev_logprobs", "generation_logprobs",
               "reference_policy_logprobs", "returns", "values")  # [B, S]
-ROW_KEYS = ("sample_mask", "rewards", "pair_index", "is_chosen", "input_lengths")  # [B]
-INTEGER_KEYS = ("input_ids", "teacher_topk_indices", "pair_index", "is_chosen", "input_lengths")
+ROW_KEYS = ("sample_mask", "rewards", "pair_index", "is_chosen", "input_lengths", "reward_shift",
+            "opd_full_teacher_index")  # [B]
+INTEGER_KEYS = ("input_ids", "teacher_topk_indices", "pair_index", "is_chosen", "input_lengths",
+                "opd_full_teacher_index")
 
 
 def _is_integer(t: Tensor) -> bool:
@@ -47,7 +49,7 @@ def validate_batch(
     for key in ROW_KEYS:
         if key in data and tuple(data[key].shape) != (rows,):
             raise ValueError(f"data[{key!r}] must have shape [B] = {(rows,)}, got {tuple(data[key].shape)}")
-    for key in ("teacher_topk_logits", "teacher_topk_indices"):
+    for key in ("teacher_topk_logits", "teacher_topk_indices", "opd_full_teacher_payload"):
         if key in data and (data[key].dim() != 3 or tuple(data[key].shape[:2]) != (rows, width)):
             raise ValueError(f"data[{key!r}] must have shape [B, S, k] with [B, S] = {(rows, width)}, got "
                              f"{tuple(data[key].shape)}")

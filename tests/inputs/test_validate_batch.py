@@ -51,6 +51,12 @@ def test_bad_shapes_and_dtypes_are_named():
         "TypeError: data['input_ids'] must be an integer tensor, got torch.float32")
     assert message(validate_batch, {**data, "rewards": [1.0, 0.0]}, vocab_size=16) == (
         "TypeError: data['rewards'] must be a tensor, got list")
+    assert message(validate_batch, {**data, "reward_shift": torch.zeros(3)}, vocab_size=16) == (
+        "ValueError: data['reward_shift'] must have shape [B] = (2,), got (3,)")
+    assert message(validate_batch, {**data, "opd_full_teacher_payload": torch.zeros(2, 4, 16)}, vocab_size=16) == (
+        "ValueError: data['opd_full_teacher_payload'] must have shape [B, S, k] with [B, S] = (2, 5), got (2, 4, 16)")
+    assert message(validate_batch, {**data, "opd_full_teacher_index": torch.zeros(2)}, vocab_size=16) == (
+        "TypeError: data['opd_full_teacher_index'] must be an integer tensor, got torch.float32")
 
 
 def test_pair_naming_and_draft_map():
