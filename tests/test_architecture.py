@@ -23,7 +23,7 @@ LAYERS = [
     {"config"},
     {"train"},
     {"demo"},
-    {"app", "run", "conf"},
+    {"app", "run", "plot", "conf"},
     {"audit"},
 ]
 

@@ -1,10 +1,12 @@
 """`python -m compiled_loss.run [overrides]`: the embedded training loop from a Hydra config.
 
-The embedded default trains the tiny LM with GRPO on the synthetic progression task with
-fused packing, compiled by Inductor. Every choice is an override, e.g.
+The embedded default warm-starts the tiny LM with NLL on correct responses, then trains it
+with GRPO on its own samples of the synthetic progression task, with fused packing,
+compiled by Inductor. Every choice is an override, e.g.
 `python -m compiled_loss.run loss=dpo packing=none compile.backend=aot_eager run.steps=5`;
 `-m` sweeps: `python -m compiled_loss.run -m loss=clipped_pg,dpo packing=none,fused`.
-Writes `metrics.jsonl` (one line per step) and `summary.json` into Hydra's run directory.
+Writes `metrics.jsonl` (one line per step), `summary.json` and `curves.png` (with
+matplotlib) into Hydra's run directory.
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from compiled_loss.app.store import load_config
+from compiled_loss.demo.curves import plot_runs, read_metrics
 from compiled_loss.demo.loop import train
 
 
 @hydra.main(version_base="1.3", config_path="pkg://compiled_loss.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     config = load_config(cfg)  # every config error surfaces here, before a model is built
-    train(config, Path(HydraConfig.get().runtime.output_dir))
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    summary = train(config, output_dir)
+    if summary["parallel"]["rank"] != 0:
+        return
+    try:
+        print(f"curves: {plot_runs([(output_dir.name, read_metrics(output_dir))], output_dir / 'curves.png')}")
+    except ImportError:
+        print("curves.png skipped: matplotlib is not installed (pip install 'compiled_loss[plot]')")

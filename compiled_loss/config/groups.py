@@ -148,8 +148,10 @@ class LogprobConfig:
 class OptimConfig:
     """AdamW."""
 
-    lr: float = 3e-3
-    """Learning rate; > 0."""
+    lr: float = 5e-4
+    """Learning rate of the loss's steps; > 0."""
+    sft_lr: float = 3e-3
+    """Learning rate of the warm start (`run.sft_steps`, its own AdamW); > 0."""
     weight_decay: float = 0.0
     """Decoupled weight decay; >= 0."""
     beta1: float = 0.9
@@ -161,7 +163,8 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _fields(self, "optim")
-        require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        for name in ("lr", "sft_lr"):
+            require(getattr(self, name) > 0, f"optim.{name} must be > 0, got {getattr(self, name)}")
         require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
@@ -174,20 +177,29 @@ class OptimConfig:
 class RunConfig:
     """The training loop."""
 
-    steps: int = 20
-    """Optimizer steps."""
+    sft_steps: int = 27
+    """Warm start: NLL steps on correct responses before the loss's steps (none for a value head)."""
+    steps: int = 150
+    """Optimizer steps of the loss (after the warm start)."""
     micro_batches: int = 2
     """Micro-batches per step (gradients accumulate)."""
     seed: int = 0
-    """Seed of the model init and the data."""
+    """Seed of the model init, the prompts and the sampler."""
     log_every: int = 1
     """Print a progress line every this many steps."""
     validate_inputs: bool = True
     """Check each batch on the host before the compiled step reads it (`validate_batch`)."""
+    save_every: int = 0
+    """Write a checkpoint every this many steps (warm start included) and after the last; 0: never."""
+    resume: str | None = None
+    """Continue from this checkpoint (a file `run.save_every` wrote)."""
+    deterministic: bool = False
+    """Deterministic kernels and Inductor's deterministic mode: bitwise-repeatable runs."""
 
     def __post_init__(self) -> None:
         _fields(self, "run")
         _at_least(self, "run", 1, "steps", "micro_batches", "log_every")
+        _at_least(self, "run", 0, "sft_steps", "save_every")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -231,8 +243,8 @@ class DataConfig:
 
     prompts: int = 8
     """Prompts per global batch."""
-    group_size: int = 4
-    """Responses per prompt (a GRPO group; DPO uses one pair per prompt)."""
+    group_size: int = 16
+    """Responses per prompt (a GRPO group; DPO trains on its best and worst)."""
     prompt_terms_min: int = 3
     """Fewest progression terms in a prompt."""
     prompt_terms_max: int = 8
@@ -247,8 +259,15 @@ class DataConfig:
     """Values are taken modulo this (the task vocabulary)."""
     max_stride: int = 3
     """Largest progression stride."""
+    total_terms: int = 16
+    """Sampled (on-policy) rows: a correct response continues the progression until the
+    sequence holds this many terms, then EOS (> prompt_terms_max)."""
+    use_leave_one_out_baseline: bool = False
+    """GRPO baseline: the mean reward of the group's OTHER responses (RLOO) instead of the group's mean."""
+    normalize_rewards: bool = True
+    """GRPO: divide each advantage by its baseline's reward std (+1e-6) where that is > 0."""
     error_rate_max: float = 0.6
-    """Responses are drawn with a per-token error rate in [0, this], in [0, 1]."""
+    """Pre-made rows are drawn with a per-token error rate in [0, this], in [0, 1]."""
     teacher_topk: int = 16
     """Teacher top-k width for distillation."""
 
@@ -261,13 +280,18 @@ class DataConfig:
             f"data.prompt_terms_max ({self.prompt_terms_max}) must be >= data.prompt_terms_min "
             f"({self.prompt_terms_min})",
         )
+        require(
+            self.total_terms > self.prompt_terms_max,
+            f"data.total_terms ({self.total_terms}) must be > data.prompt_terms_max ({self.prompt_terms_max})",
+        )
         require(self.response_median > 0, f"data.response_median must be > 0, got {self.response_median}")
         require(self.response_sigma >= 0, f"data.response_sigma must be >= 0, got {self.response_sigma}")
         require(0.0 <= self.error_rate_max <= 1.0, f"data.error_rate_max must be in [0, 1], got {self.error_rate_max}")
 
     def max_length(self) -> int:
-        """Longest sequence: BOS + prompt + response + EOS."""
-        return 1 + self.prompt_terms_max + self.response_max + 1
+        """Longest sequence: BOS + prompt + response + EOS (pre-made), or a longest prompt and
+        the sampler's response bucket (on-policy: the longest correct response and EOS)."""
+        return 1 + self.prompt_terms_max + max(self.response_max + 1, self.total_terms - self.prompt_terms_min + 1)
 
     def vocab_needed(self) -> int:
         """Token ids the task uses: the special tokens, then `modulus` values."""

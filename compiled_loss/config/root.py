@@ -14,11 +14,13 @@ from compiled_loss.config.groups import (
     ModelConfig,
     OptimConfig,
     PackingConfig,
+    PackingMode,
     ParallelConfig,
     RunConfig,
 )
 from compiled_loss.config.losses import ClippedPgLossOption, build_loss, loss_family
 from compiled_loss.interfaces import LossInputType
+from compiled_loss.packing import round_to_bucket
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,11 +73,24 @@ class Config:
             f"global batch (data.prompts × {'1 pair' if pairs else 'data.group_size'})",
         )
         longest = self.data.max_length() + self.packing.pad_to_multiple
+        data = self.data
+        response = ("data.response_max + 2" if data.response_max >= data.total_terms - data.prompt_terms_min
+                    else "data.total_terms - data.prompt_terms_min + 2")
         require(
             self.model.max_positions >= longest,
             f"model.max_positions={self.model.max_positions} is shorter than the longest padded sequence the "
-            f"data can produce ({longest}: data.prompt_terms_max + data.response_max + 2 + packing.pad_to_multiple)",
+            f"data can produce ({longest}: data.prompt_terms_max + {response} + packing.pad_to_multiple)",
         )
+        if self.packing.mode == PackingMode.none:  # padded rows: a micro-batch's width rounds up to the bucket grid
+            grid = self.packing.grid()
+            width = round_to_bucket(self.data.max_length(), grid.width, grid.per_octave)
+            width += -width % (2 * self.parallel.cp)
+            require(
+                self.model.max_positions >= width,
+                f"model.max_positions={self.model.max_positions} is shorter than the padded row width of the longest "
+                f"sequence under packing=none ({width}: the data's longest row rounded up to packing.width="
+                f"{grid.width}); raise model.max_positions or lower packing.width",
+            )
         require(
             self.data.vocab_needed() <= self.model.vocab_size,
             f"data.modulus={self.data.modulus} needs model.vocab_size >= {self.data.vocab_needed()}, "
@@ -104,6 +119,11 @@ class Config:
             require(
                 family != "value",
                 f"logprob.fused_linear=true computes the loss from the LM head; loss={name} trains a value head",
+            )
+            require(
+                family != "opd_full",
+                f"logprob.fused_linear=true never forms the policy's logits; loss={name} compares them with the "
+                "teacher's over the whole vocabulary",
             )
             require(
                 self.draft.name == "none",

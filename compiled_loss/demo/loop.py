@@ -1,29 +1,45 @@
 """The embedded training loop: the demo model on the demo task through the compiled
-training step, with a progress line per step and `metrics.jsonl` / `summary.json`."""
+training step, with a progress line per step and `metrics.jsonl` / `summary.json`.
+
+A run has two phases. The warm start: `run.sft_steps` steps of NLL on correct responses
+through the same compiled step built for `loss=nll` (none for `loss=mse_value`: a value
+head has no LM head). Then `run.steps` steps of the run's loss on on-policy rollouts
+(`compiled_loss.demo.rollouts`), with the warm-start weights as the KL reference. Each
+step: the batch (sampled by the policy, annotated), one optimizer step, a metrics record.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from compiled_loss.config import Config, build_draft_runtime, loss_family
-from compiled_loss.demo.data import replica_rows, rollout, sample_batch
+from compiled_loss.config.losses import NllLossOption
+from compiled_loss.demo import cross_tokenizer
+from compiled_loss.demo.checkpoint import load_checkpoint, save_checkpoint
+from compiled_loss.demo.curves import WARM_START
 from compiled_loss.demo.model import TinyLM
+from compiled_loss.demo.rollouts import Rollouts
+from compiled_loss.losses import update_reward_shift
 from compiled_loss.train import build_train_step
 from compiled_loss.train.parallel import init_parallel
 
 # the metrics shown on the per-step line, per loss family (when present)
 _KEY_METRICS = {
     "policy_gradient": ("probs_ratio", "kl_penalty", "sampling_importance_ratio"),
-    "nll": ("num_unmasked_tokens",),
+    "nll": (),
     "dpo": ("accuracy", "rewards_chosen_mean", "rewards_rejected_mean"),
     "distillation": (),
+    "opd_full": ("opd_full_reverse_kl",),
+    "cross_tokenizer": ("kl_loss", "ce_loss", "accuracy"),
     "value": ("values_mean", "vf_clipfrac"),
 }
 
@@ -45,89 +61,161 @@ def _progress(step: int, total: int, width: int = 30) -> str:
     return f"[{'#' * done}{'.' * (width - done)}] {step}/{total}"
 
 
+def _mean(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if key in r]
+    return sum(values) / len(values) if values else None
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool) -> Iterator[None]:
+    """Within it, with `enabled` (`run.deterministic`): deterministic kernels
+    (`torch.use_deterministic_algorithms`) and Inductor's deterministic mode; the previous
+    settings come back on exit."""
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch._inductor.config.patch(deterministic=True):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
-    """Run `cfg.run.steps` steps; write metrics.jsonl and summary.json (rank 0; other ranks
-    write their compile report as `summary.rank<r>.json`); return the summary.
+    """Run the warm start and `cfg.run.steps` steps of the loss; write metrics.jsonl and
+    summary.json (rank 0; other ranks write their compile report as
+    `summary.rank<r>.json`) and checkpoints every `run.save_every` steps; return the summary.
 
     Under `torchrun` (`parallel.tp · cp · dp` processes) every rank holds the whole model —
     the LM head returns this rank's vocabulary shard — and the step replicates it with
     DistributedDataParallel; each data-parallel replica trains on its share of every
     global batch."""
+    with deterministic(cfg.run.deterministic):
+        return _train(cfg, output_dir)
+
+
+def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     groups = init_parallel(cfg.parallel)
-    tp, _, dp = groups.sizes
+    tp = groups.sizes[0]
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
     family = loss_family(cfg.loss)
     policy = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
-    teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family == "distillation" else None
+    teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family in ("distillation", "opd_full") else None
+    loss_fn = teachers = None  # cross-tokenizer distillation: its projections and teachers come from the demo task
+    if family == "cross_tokenizer":
+        loss_fn, teachers = cross_tokenizer.build_cross_tokenizer_loss(cfg), cross_tokenizer.teacher_models(cfg)
     drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
     trained = [p for m in (policy, drafter) if m is not None for p in m.parameters() if p.requires_grad]
     o = cfg.optim
-    optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-    step = build_train_step(cfg, policy, optimizer, groups, drafter)
+    optimizer, warm_optimizer = (torch.optim.AdamW(trained, lr=lr, betas=(o.beta1, o.beta2),
+                                                   weight_decay=o.weight_decay) for lr in (o.lr, o.sft_lr))
+    step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
+    warm_steps = 0 if family == "value" else cfg.run.sft_steps
+    warm = build_train_step(dataclasses.replace(cfg, loss=NllLossOption()), policy, warm_optimizer, groups, drafter)
+    rollouts = Rollouts(cfg, family, groups, rng, policy=policy, reference=reference, teacher=teacher)
+    total = warm_steps + cfg.run.steps
+    history: list[dict[str, Any]] = []
+    done = 0
+    if cfg.run.resume is not None:
+        done, history = load_checkpoint(cfg.run.resume, loss=cfg.loss.name, policy=policy, reference=reference,
+                                        drafter=drafter, optimizers=(warm_optimizer, optimizer), rng=rng)
+        # the drafter's anchor noise is seeded by each step object's count of global batches
+        warm.global_batch, step.global_batch = min(done, warm_steps) - 1, max(done - warm_steps, 0) - 1
+    # MPO: the driver's running mean reward δ of the BCO term (ref §4.4), carried in the metrics
+    reward_shift = None if cfg.loss.name != "mpo" else next(
+        (r["reward_shift"] for r in reversed(history) if "reward_shift" in r), cfg.loss.reward_shift)
     lead = groups.rank == 0
     output_dir.mkdir(parents=True, exist_ok=True)
-    history: list[dict[str, Any]] = []
-    tokens = slots = steady_tokens = 0
-    train_seconds = steady_seconds = 0.0
     with open(output_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext() as log:
-        for i in range(1, cfg.run.steps + 1):
-            batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
-            reward = float(batch["rewards"].mean())
-            batch = rollout(replica_rows(batch, dp, groups.dp_rank), family, policy=policy, reference=reference,
-                            teacher=teacher, topk=cfg.data.teacher_topk)
-            result = step(batch)
-            tokens, slots, train_seconds = tokens + result.tokens, slots + result.slots, train_seconds + result.seconds
+        for record in history if lead else ():
+            log.write(json.dumps(record) + "\n")
+        for i in range(done + 1, total + 1):
+            warming = i <= warm_steps
+            if i == warm_steps + 1 and warm_steps:  # the warm-start weights become the KL reference
+                reference.load_state_dict(policy.state_dict())
+            batch, stats = rollouts.warm_start(i) if warming else rollouts(i)
+            if teachers is not None and not warming:
+                batch = cross_tokenizer.annotate(batch, loss_fn, teachers, cfg)
+            if reward_shift is not None and not warming:
+                batch["reward_shift"] = torch.full((batch["input_ids"].shape[0],), reward_shift)
+            result = (warm if warming else step)(batch)
+            if reward_shift is not None and not warming:
+                reward_shift = update_reward_shift(reward_shift, result.metrics["bco_reward_sum"],
+                                                   result.metrics["bco_reward_count"], cfg.loss.reward_shift_momentum)
+                stats = {**stats, "reward_shift": reward_shift}
             record = {
                 "step": i,
+                "phase": WARM_START if warming else cfg.loss.name,
                 **result.metrics,
-                "reward": reward,
+                **stats,
                 "tokens": result.tokens,
                 "tokens_per_s": result.tokens / result.seconds,
                 "padding_fraction": 1 - result.tokens / result.slots,
                 "step_seconds": result.seconds,
-                "compiles": step.compiles,
+                "slots": result.slots,
+                "compiles": step.compiles + warm.compiles + (rollouts.sampler.compiles if rollouts.sampler else 0),
             }
-            if history and step.compiles == history[-1]["compiles"]:  # no compile in this step
-                steady_tokens, steady_seconds = steady_tokens + result.tokens, steady_seconds + result.seconds
             history.append(record)
+            if lead and cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):
+                save_checkpoint(output_dir / "checkpoints" / f"step_{i}.pt", step=i, loss=cfg.loss.name,
+                                policy=policy, reference=reference, drafter=drafter,
+                                optimizers=(warm_optimizer, optimizer), rng=rng, history=history)
             if not lead:
                 continue
             log.write(json.dumps(record) + "\n")
             log.flush()
-            if i % cfg.run.log_every == 0 or i == cfg.run.steps:
-                keys = [k for k in _KEY_METRICS[family] + _draft_metrics(cfg) if k in record]
+            if i % cfg.run.log_every == 0 or i == total:
+                shown_keys = (() if warming else _KEY_METRICS.get(family, ())) + _draft_metrics(cfg)
+                keys = [k for k in shown_keys if k in record]
                 shown = " ".join(f"{k} {record[k]:.4g}" for k in keys)
                 print(
-                    f"\r{_progress(i, cfg.run.steps)} loss {record['loss']:.4f} {shown} reward "
-                    f"{record['reward']:.3f} | {record['tokens_per_s']:.0f} tok/s | compiles {step.compiles}",
+                    f"\r{_progress(i, total)} {record['phase']} loss {record['loss']:.4f} {shown} reward "
+                    f"{record['reward']:.3f} | {record['tokens_per_s']:.0f} tok/s | compiles {record['compiles']}",
                     flush=True,
                 )
-    report = step.recorder.report if step.recorder else None
-    summary = {
-        "loss": cfg.loss.name,
-        "draft": cfg.draft.name,
-        "packing": cfg.packing.mode.value,
-        "compile": cfg.compile.enabled and cfg.compile.backend,
-        "steps": cfg.run.steps,
-        "first_loss": history[0]["loss"],
-        "final_loss": history[-1]["loss"],
-        **{f"{end}_{key}": history[at][key] for key in _draft_metrics(cfg)
-           for end, at in (("first", 0), ("final", -1))},
-        "tokens": tokens,
-        "tokens_per_s": tokens / train_seconds,
-        "steady_tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None,
-        "padding_fraction": 1 - tokens / slots,
-        "compiles": step.compiles,
-        "buckets": len(step.buckets),
-        "compile_seconds": report.compile_seconds if report else 0.0,
-        "compile_problems": step.compile_problems(),
-        "parallel": {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "dp": cfg.parallel.dp, "rank": groups.rank},
-        "output_dir": str(output_dir),
-    }
+    summary = _summary(cfg, history, warm_steps, step, warm, rollouts, groups.rank, output_dir)
     name = "summary.json" if lead else f"summary.rank{groups.rank}.json"
     (output_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
     if lead:
         print(json.dumps(summary, indent=2))
     return summary
+
+
+def _summary(cfg: Config, history, warm_steps: int, step, warm, rollouts: Rollouts, rank: int,
+             output_dir: Path) -> dict[str, Any]:
+    main = [r for r in history if r["phase"] != WARM_START]
+    steady = [r for r, before in zip(main[1:], main) if r["compiles"] == before["compiles"]]  # no compile in it
+    tokens, seconds = sum(r["tokens"] for r in main), sum(r["step_seconds"] for r in main)
+    recorders = [r for s in (step, warm) for r in (s.recorder, s.model_recorder) if r is not None]
+    if rollouts.sampler is not None and rollouts.sampler.recorder is not None:
+        recorders.append(rollouts.sampler.recorder)
+    return {
+        "loss": cfg.loss.name,
+        "draft": cfg.draft.name,
+        "packing": cfg.packing.mode.value,
+        "compile": cfg.compile.enabled and cfg.compile.backend,
+        "sft_steps": warm_steps,
+        "steps": cfg.run.steps,
+        "first_loss": main[0]["loss"],
+        "final_loss": main[-1]["loss"],
+        "first_reward": _mean(main[:5], "reward"),  # the loss's first and last 5 steps
+        "final_reward": _mean(main[-5:], "reward"),
+        "warm_start_reward": _mean(history[max(warm_steps - 5, 0) : warm_steps], "reward") if warm_steps else None,
+        **{f"{end}_{key}": main[at][key] for key in _draft_metrics(cfg) for end, at in (("first", 0), ("final", -1))},
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "steady_tokens_per_s": (sum(r["tokens"] for r in steady) / sum(r["step_seconds"] for r in steady)
+                                if steady else None),
+        "padding_fraction": 1 - tokens / sum(r["slots"] for r in main),
+        "compiles": step.compiles,
+        "buckets": len(step.buckets),
+        "compile_seconds": sum(r.report.compile_seconds for r in recorders),
+        "sampler_compiles": rollouts.sampler.compiles if rollouts.sampler else 0,
+        "compile_problems": [p for r in recorders for p in r.report.problems()],
+        "parallel": {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "dp": cfg.parallel.dp, "rank": rank},
+        "output_dir": str(output_dir),
+    }

@@ -3,6 +3,7 @@
 Pre-norm transformer with learned positions. Attention is causal and restricted to the
 token's own segment, so one model serves the padded `[B, S]` layout (one segment per row)
 and the packed `[1, T]` layout (one segment per sequence, positions restarting at 0).
+For generation it also runs over a static key/value cache (`prefill`, `decode`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,20 @@ class Block(nn.Module):
         self.up = nn.Linear(h, cfg.mlp_ratio * h, bias=False)
         self.down = nn.Linear(cfg.mlp_ratio * h, h, bias=False)
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, mask: Tensor, cache: Tensor | None = None, write: Tensor | None = None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """`x [R, L, H]`, `mask` broadcastable to `[R, heads, L, keys]` → the block's output
+        and the keys and values attention read (`[R, heads, keys, H / heads]` each). With a
+        `cache` (`[2, R, heads, C, H / heads]`) this call's keys and values replace its
+        slots where `write` (`[R, 1, C, 1]`) is true, and attention reads the whole cache."""
         rows, length, hidden = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(rows, length, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        if cache is not None:
+            k, v = torch.where(write, k, cache[0]), torch.where(write, v, cache[1])
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(attn.transpose(1, 2).reshape(rows, length, hidden))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        return x + self.down(F.gelu(self.up(self.norm2(x)))), (k, v)
 
 
 class TinyLM(nn.Module):
@@ -44,7 +53,9 @@ class TinyLM(nn.Module):
     logits as `LinearLogits` (the final hidden states and the LM head), never formed.
 
     `vocab_shard=(r, n)`: the LM head returns vocabulary shard `r` of `n`, `[R, L, V / n]`
-    (tensor parallelism for the loss; the weights stay whole), unless `full_vocab=True`."""
+    (tensor parallelism for the loss; the weights stay whole), unless `full_vocab=True`.
+
+    Generation (`prefill`, `decode`) always returns full-vocabulary logits."""
 
     def __init__(self, cfg: ModelConfig, value_head: bool = False, vocab_shard: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
@@ -68,7 +79,7 @@ class TinyLM(nn.Module):
         x = self.embed(input_ids) + self.pos(position_ids)
         hidden = [x]
         for block in self.blocks:
-            x = block(x, mask[:, None])
+            x, _ = block(x, mask[:, None])
             hidden.append(x)
         weight = self.head.weight
         rank, shards = self.vocab_shard
@@ -79,3 +90,32 @@ class TinyLM(nn.Module):
             return LinearLogits(self.norm(x), weight)
         logits = F.linear(self.norm(x), weight)
         return (logits, hidden) if return_hidden else logits
+
+    def prefill(self, input_ids: Tensor, lengths: Tensor, cache_len: int) -> tuple[Tensor, Tensor]:
+        """Prompts `input_ids [R, P]` (row `r`'s first `lengths[r]` tokens; the rest is
+        padding) → the logits after each prompt's last token `[R, V]` and the key/value
+        cache `[layers, 2, R, heads, cache_len, H / heads]` (slots past `P` empty)."""
+        rows, width = input_ids.shape
+        index = torch.arange(width, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(index.expand(rows, width))
+        mask = (index[None, :] <= index[:, None])[None, None]
+        caches = []
+        for block in self.blocks:
+            x, keys_values = block(x, mask)
+            caches.append(F.pad(torch.stack(keys_values), (0, 0, 0, cache_len - width)))
+        last = x.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+        return F.linear(self.norm(last), self.head.weight), torch.stack(caches)
+
+    def decode(self, tokens: Tensor, positions: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+        """One token per row (`tokens`, `positions` `[R]`) over the cache of `prefill`: its
+        key and value go to slot `positions[r]`, it attends to slots `<= positions[r]`.
+        Returns the next-token logits `[R, V]` and the updated cache."""
+        slots = torch.arange(cache.shape[-2], device=tokens.device)
+        write = (slots[None, :] == positions[:, None])[:, None, :, None]
+        mask = (slots[None, :] <= positions[:, None])[:, None, None, :]
+        x = self.embed(tokens[:, None]) + self.pos(positions[:, None])
+        caches = []
+        for block, layer_cache in zip(self.blocks, cache.unbind(0)):
+            x, keys_values = block(x, mask, layer_cache, write)
+            caches.append(torch.stack(keys_values))
+        return F.linear(self.norm(x[:, 0]), self.head.weight), torch.stack(caches)

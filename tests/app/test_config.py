@@ -146,6 +146,12 @@ class TestStartupErrors(TestCase):
             """model.max_positions=64 is shorter than the longest padded sequence the data can produce (114: data.prompt_terms_max + data.response_max + 2 + packing.pad_to_multiple)""",
         )
 
+    def test_padded_rows_longer_than_the_positions(self):
+        self.assertExpectedInline(
+            error("packing=none", "model.max_positions=120"),
+            """model.max_positions=120 is shorter than the padded row width of the longest sequence under packing=none (128: the data's longest row rounded up to packing.width=128); raise model.max_positions or lower packing.width""",
+        )
+
     def test_too_many_micro_batches_for_dpo(self):
         self.assertExpectedInline(
             error("loss=dpo", "data.prompts=2", "run.micro_batches=3"),

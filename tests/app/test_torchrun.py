@@ -17,7 +17,7 @@ SMALL = [
     "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
     "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=5",
     "data.response_max=12", "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24",
-    "packing.rows=4", "run.micro_batches=2", "compile.backend=aot_eager", "run.steps=2",
+    "packing.rows=4", "run.micro_batches=2", "compile.backend=aot_eager", "run.steps=2", "run.sft_steps=0",
 ]
 COMPARED = ("loss", "probs_ratio", "probs_ratio_min", "probs_ratio_max", "kl_penalty", "approx_entropy",
             "token_mult_prob_error", "sampling_importance_ratio", "num_valid_samples", "global_valid_toks",
@@ -69,9 +69,13 @@ def test_a_drafter_trains_as_in_a_single_process(chosen, sizes, tmp_path):
     got, summaries, _ = _run(tmp_path / "parallel", *common, *sizes, procs=procs)
     keys = [k for k in want[0] if k.startswith("draft_")] + ["loss", "grad_norm"]
     assert "draft_grad_norm" in keys and len(keys) > 10
-    for step in (0, 1):  # the second step starts from the synced drafter update
+    # The second step starts from the synced drafter update, on the policy's own samples: they
+    # reach every vocabulary row, and AdamW's first update turns the fp32 reduction-order
+    # differences of near-zero embedding gradients into weight differences of ~1e-5
+    # (measured), hence the second step's looser tolerance.
+    for step, rel in ((0, 1e-5), (1, 1e-4)):
         for key in keys:
-            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5, abs=1e-6, nan_ok=True), (step, key)
+            assert got[step][key] == pytest.approx(want[step][key], rel=rel, abs=1e-6, nan_ok=True), (step, key)
     for summary in summaries:
         assert summary["compile_problems"] == []
         assert 1 <= summary["compiles"] <= summary["buckets"]

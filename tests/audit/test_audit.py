@@ -53,7 +53,7 @@ def test_default_run_is_the_representative_subset():
     from compiled_loss.audit.cli import DRAFTS, DTYPES, LOSSES, PACKINGS, configurations
 
     rows, batches, steps = configurations({}, full=False)
-    assert (len(rows), batches, steps) == (11, 50, 5)
+    assert (len(rows), batches, steps) == (12, 50, 5)
     assert {r[0] for r in rows} == set(LOSSES) and {r[1] for r in rows} == set(PACKINGS)
     assert {r[2] for r in rows} == set(DRAFTS)
     assert {r[3] for r in rows} == set(DTYPES) and {r[4] for r in rows} == {"inductor", "aot_eager"}

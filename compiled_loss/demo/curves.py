@@ -1,0 +1,65 @@
+"""Training curves of embedded runs: one PNG of per-step panels (matplotlib, optional).
+
+Panels: reward (and DPO's held-out preference accuracy), loss, KL to the reference,
+entropy, importance ratios and training tokens/s, against the global step. The warm
+start is shaded and labelled `SFT`; the loss's steps carry its name. Several runs
+overlay in one figure, one colour per run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# (title, [(metric key, line style)]); a key a run does not log is left out
+PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("reward", (("reward", "-"), ("preference_accuracy", ":"))),
+    ("loss (symmetric log scale)", (("loss", "-"),)),
+    ("KL to the reference (kl_penalty)", (("kl_penalty", "-"),)),
+    ("entropy (sampled −log p; approx_entropy dashed)", (("entropy", "-"), ("approx_entropy", "--"))),
+    ("importance ratio (sampling; probs_ratio dashed)", (("sampling_importance_ratio", "-"), ("probs_ratio", "--"))),
+    ("training tokens/s", (("tokens_per_s", "-"),)),
+)
+WARM_START = "sft"  # the phase name of warm-start steps in `metrics.jsonl`; the others carry the loss's name
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The per-step records of a run directory's `metrics.jsonl`."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> Path:
+    """Draw `(label, records)` runs into `out` (PNG); ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (label, records), colour in zip(runs, colours * (len(runs) // len(colours) + 1)):
+        warm = [r["step"] for r in records if r.get("phase") == WARM_START]
+        main = sorted({r["phase"] for r in records if r.get("phase") != WARM_START})
+        name = f"{label} ({', '.join(([WARM_START.upper()] if warm else []) + main)})"
+        for ax, (title, keys) in zip(axes.flat, PANELS):
+            for key, style in keys:
+                points = [(r["step"], r[key]) for r in records if key in r]
+                if points:
+                    ax.plot(*zip(*points), style, color=colour, lw=1.2, label=f"{name} {key}" if ax is axes.flat[0]
+                            else None)
+            if warm:
+                ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color=colour, alpha=0.06)
+                ax.axvline(max(warm) + 0.5, color=colour, ls="--", lw=0.8)
+    axes.flat[1].set_yscale("symlog", linthresh=0.1)  # the warm start's NLL dwarfs a policy loss near 0
+    for ax, (title, _) in zip(axes.flat, PANELS):
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step (shaded: SFT warm start)")
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,130 @@
+"""The batches of a run's steps: on-policy rollouts from the policy being trained.
+
+Every step draws `data.prompts` task prompts (the same on every rank) and samples
+`data.group_size` responses to each from the policy with the compiled `Sampler`; a
+data-parallel replica samples its own contiguous share of those rows. Then, per loss
+family:
+
+- `policy_gradient`: the sampled rows, their rewards, GRPO advantages over each group and
+  the sampler's log-probs as `generation_logprobs`;
+- `dpo`: each group's best and worst response as a (chosen, rejected) pair; its statistics
+  add `preference_accuracy`, the fraction of fixed held-out pairs (a correct response and
+  a corrupted one, pre-made) whose implicit reward `Σ log π/π_ref` prefers the correct
+  response (the loss's own `accuracy` is over the step's fresh pairs, sampled from the
+  policy itself);
+- `distillation`, `opd_full`, `cross_tokenizer`: the sampled rows (on-policy distillation;
+  the cross-tokenizer teachers annotate them in the loop);
+- `nll` and the warm start (`warm_start`): the correct responses to `prompts ×
+  group_size` fresh prompts — the policy samples them too, for the reward it would earn;
+- `value`: pre-made rows (a value head cannot sample).
+
+`rollout` then adds the model outputs the family's loss reads. Each batch comes with its
+statistics over the global batch: `reward` (mean), `solved` (the fraction answered
+exactly), `entropy` (the mean −log-prob of the sampled tokens, an estimate of the
+sampling distribution's per-token entropy), `response_length` and `sample_seconds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import torch
+
+from compiled_loss.config import Config, Family
+from compiled_loss.demo.data import (
+    Prompts,
+    correct_batch,
+    grpo_advantages,
+    model_logprobs,
+    preference_pairs,
+    replica_rows,
+    rollout,
+    sample_batch,
+    sampled_batch,
+    score,
+    task_prompts,
+)
+from compiled_loss.demo.model import TinyLM
+from compiled_loss.demo.sampler import Sampler, Samples, sampling_uniforms
+from compiled_loss.train.parallel import ParallelGroups, all_reduce_host
+
+Tensor = torch.Tensor
+
+_HELD_OUT_PAIRS = 32  # DPO's held-out preference pairs
+
+
+class Rollouts:
+    """`rollouts(step) -> (batch, stats)`: this replica's batch of global step `step` for
+    the run's loss family, annotated, and the step's statistics; `rollouts.warm_start(step)`
+    the same for the supervised warm start (see the module docstring). Prompts come from
+    `rng` in step order."""
+
+    def __init__(self, cfg: Config, family: Family, groups: ParallelGroups, rng: random.Random, *,
+                 policy: TinyLM, reference: TinyLM, teacher: TinyLM | None = None) -> None:
+        self.cfg, self.family, self.groups, self.rng = cfg, family, groups, rng
+        self.policy, self.reference, self.teacher = policy, reference, teacher
+        self.rows = cfg.data.prompts * cfg.data.group_size  # of the global batch
+        self.local = self.rows // groups.sizes[2]
+        self.sampler = Sampler(cfg, policy, self.local) if family != "value" else None
+        held_out = dataclasses.replace(cfg.data, prompts=_HELD_OUT_PAIRS)
+        self.held_out = (sample_batch(held_out, cfg.model.vocab_size, random.Random(cfg.run.seed + 1), pairs=True)
+                         if family == "dpo" else None)
+
+    def _share(self) -> slice:
+        """This replica's rows of the global batch."""
+        return slice(self.groups.dp_rank * self.local, (self.groups.dp_rank + 1) * self.local)
+
+    def _sample(self, prompts: Prompts, step: int) -> tuple[Samples, Tensor, dict[str, float]]:
+        """This replica's share of `prompts` (global rows) sampled, its rewards and the global statistics."""
+        start = time.perf_counter()
+        uniforms = sampling_uniforms(self.cfg.run.seed, step, self.rows, self.sampler.response_len)
+        local = prompts.rows(self._share())
+        samples = self.sampler(local, uniforms[self._share()])
+        rewards = score(local, samples.tokens, samples.lengths)
+        mask = torch.arange(samples.tokens.shape[1]) < samples.lengths[:, None]
+        sums = torch.stack([rewards.sum(), (rewards == 1).sum(), -(samples.logprobs * mask).sum(), mask.sum(),
+                            samples.lengths.sum()]).double()
+        reward, solved, neg_logprob, tokens, length = all_reduce_host(sums, self.groups.dp).tolist()
+        stats = {"reward": reward / self.rows, "solved": solved / self.rows, "entropy": neg_logprob / tokens,
+                 "response_length": length / self.rows, "sample_seconds": time.perf_counter() - start}
+        return samples, rewards, stats
+
+    def preference_accuracy(self) -> float:
+        """The held-out pairs the policy prefers correctly, relative to the reference."""
+        ids, mask = self.held_out["input_ids"], self.held_out["token_mask"]
+        ratio = [(model_logprobs(m, ids, self.cfg.logprob, filtered=False) * mask).sum(1)
+                 for m in (self.policy, self.reference)]
+        margin = ratio[0] - ratio[1]
+        return float((margin[::2] > margin[1::2]).double().mean())
+
+    def _annotate(self, batch: dict[str, Tensor], family: Family) -> dict[str, Tensor]:
+        return rollout(batch, family, policy=self.policy, reference=self.reference, teacher=self.teacher,
+                       topk=self.cfg.data.teacher_topk, sampling=self.cfg.logprob)
+
+    def warm_start(self, step: int) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """Correct responses to `prompts × group_size` fresh prompts (NLL), and the reward the
+        policy earns on them."""
+        prompts = task_prompts(self.cfg.data, self.cfg.model.vocab_size, self.rng, self.rows)
+        _, _, stats = self._sample(prompts, step)
+        return self._annotate(correct_batch(prompts.rows(self._share())), "nll"), stats
+
+    def __call__(self, step: int) -> tuple[dict[str, Tensor], dict[str, float]]:
+        data, family = self.cfg.data, self.family
+        if family == "nll":
+            return self.warm_start(step)
+        if self.sampler is None:  # a value head: pre-made rows
+            batch = sample_batch(data, self.cfg.model.vocab_size, self.rng)
+            stats = {"reward": float(batch["rewards"].mean())}
+            return self._annotate(replica_rows(batch, self.groups.sizes[2], self.groups.dp_rank), family), stats
+        prompts = task_prompts(data, self.cfg.model.vocab_size, self.rng, data.prompts).repeat(data.group_size)
+        samples, rewards, stats = self._sample(prompts, step)
+        advantages = grpo_advantages(rewards, data.group_size, leave_one_out=data.use_leave_one_out_baseline,
+                                     normalize=data.normalize_rewards)
+        batch = sampled_batch(prompts.rows(self._share()), samples.tokens, samples.lengths, samples.logprobs, rewards,
+                              advantages)
+        if family == "dpo":
+            batch = preference_pairs(batch, data.group_size)
+            stats["preference_accuracy"] = self.preference_accuracy()
+        return self._annotate(batch, family), stats
