@@ -212,7 +212,7 @@ class TokenProjection:
         """The gold loss's vocabulary split (host side): common teacher ids, their student
         ids (pairs, by teacher id), then the uncommon teacher ids and student ids."""
         if self.dense is not None:
-            t_ids, s_ids = self.dense.nonzero(as_tuple=True)
+            t_ids, s_ids = self.dense.nonzero(as_tuple=True)  # host: once, when built
             weights = self.dense[t_ids, s_ids]
         else:
             t_ids, s_ids, weights = self.teacher_ids, self.student_ids, self.weights
