@@ -31,6 +31,7 @@ from compiled_loss.packing import (
     CpuIntTuple,
     PackedLayout,
     check_cu_seqlens,
+    check_inputs_agree,
     sequence_packing_loss,
     wrap_loss_fn_with_input_preparation,
 )
@@ -159,7 +160,8 @@ class DraftLossWrapper:
     `d2t` is checked once, here. `data_dict` is accepted for signature compatibility and
     not read. Both layouts take tensor- and context-parallel groups (vocabulary-sharded
     logits and draft head; each rank's CP slots, the draft soft-CE summed over the CP ranks
-    under the policy loss's gradient convention).
+    under the policy loss's gradient convention); an eager call first checks that the ranks
+    agree on every shape and dtype (`check_inputs_agree`).
     """
 
     loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -213,6 +215,8 @@ class DraftLossWrapper:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         if global_valid_toks is None:
             raise ValueError("DraftLossWrapper: global_valid_toks must not be None")
+        check_inputs_agree("DraftLossWrapper", next_token_logits, data, self.vocab_parallel_group,
+                           self.context_parallel_group, student_logits=self.student_logits)
         policy_loss, metrics = self.loss_fn(next_token_logits, data, global_valid_seqs, global_valid_toks, **kwargs)
         groups = dict(vocab_parallel_rank=self.vocab_parallel_rank, vocab_parallel_group=self.vocab_parallel_group)
         if self.layout is not None:

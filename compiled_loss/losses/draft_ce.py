@@ -139,9 +139,11 @@ def projected_streaming_vocab_parallel_soft_ce(
 ) -> DraftLossStats:
     """`streaming_vocab_parallel_soft_ce` of the student logits `student_hidden [..., H] @
     output_weight [V(/tp), H]ᵀ`, fused with the LM-head projection (`vocab_reduce` of `LinearLogits`):
-    no `[T, V]` student logits exist; the hidden state's gradient is summed over TP. In
-    eager mode with a TP group, every rank must hold the same shapes, dtypes, chunk size and
-    exactly equal mask, bin ids and weights (a ValueError on every rank otherwise)."""
+    no `[T, V]` student logits exist; under TP the hidden state's gradient is this shard's share,
+    as the dense logits `student_hidden @ output_weightᵀ` give it (summed by whoever replicated
+    the hidden states). In eager mode with a TP group, every rank must hold the same shapes,
+    dtypes, chunk size and exactly equal mask, bin ids and weights (a ValueError on every rank
+    otherwise)."""
     who = "projected_streaming_vocab_parallel_soft_ce"
     if output_weight.dim() != 2 or output_weight.shape[1] != student_hidden.shape[-1]:
         raise ValueError(f"{who}: output_weight must be [V, H] with H = student_hidden's last dim "

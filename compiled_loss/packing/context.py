@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from compiled_loss.parallel import group_rank, group_size
+from compiled_loss.parallel import check_agreement, group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather, gather_context_parallel
 
 Tensor = torch.Tensor
@@ -78,7 +78,10 @@ class ContextShards:
     def of_segments(starts: Sequence[int], lengths: Sequence[int], slots: int, group: Any) -> ContextShards:
         """Host side: segments `[starts[i], starts[i] + lengths[i])` of a `slots`-long packed
         layout (lengths multiples of 2·cp); slots after the last segment (the bucket tail,
-        a multiple of cp) are split evenly and have no successor."""
+        a multiple of cp) are split evenly and have no successor. Every rank of the group must
+        pass the same layout (checked, a ValueError on every rank otherwise)."""
+        check_agreement("the context-parallel layout (segment starts, padded lengths, slots)",
+                        (tuple(starts), tuple(lengths), slots), group)
         cp, rank = group_size(group), group_rank(group)
         total = sum(lengths)
         bad = [i for i, n in enumerate(lengths) if n % (2 * cp)]
@@ -99,7 +102,11 @@ class ContextShards:
     @staticmethod
     def of_rows(rows: int, width: int, group: Any, device: torch.device | str | None = None) -> ContextShards:
         """`rows` sequences of `width` slots each (a multiple of 2·cp): the unpacked layout
-        `[B, S_pad]` flattened. Index arithmetic only (traceable, static shapes)."""
+        `[B, S_pad]` flattened. Index arithmetic only (traceable, static shapes). Every rank of
+        the group must pass the same rows and width: checked in eager mode (a ValueError on
+        every rank otherwise); compiled callers check on the host."""
+        check_agreement("the context-parallel layout of unpacked rows (rows B, padded width cp · S_local)",
+                        (rows, width), group)
         cp, rank = group_size(group), group_rank(group)
         if width % (2 * cp):
             raise ValueError(

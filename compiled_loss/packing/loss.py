@@ -20,9 +20,34 @@ import torch
 from compiled_loss.interfaces import LossInputType
 from compiled_loss.packing.boundaries import CpuIntTuple
 from compiled_loss.packing.layout import PackedLayout, row_width
+from compiled_loss.parallel import check_agreement
 from compiled_loss.vocab.fused import LinearLogits, per_position
 
 Tensor = torch.Tensor
+
+
+def check_inputs_agree(
+    who: str,
+    next_token_logits: Tensor | LinearLogits,
+    data: Mapping[str, Any],
+    vocab_parallel_group: Any = None,
+    context_parallel_group: Any = None,
+    **more: Any,
+) -> None:
+    """Host side, before a micro-batch's collectives: every rank of the tensor- and
+    context-parallel groups holds logits of the same shape and dtype (its vocabulary shard
+    and its context-parallel positions: equal shard widths, rows and positions) and data
+    with the same keys, shapes and dtypes (`more`: other tensors the loss reads). Otherwise
+    a ValueError naming what differs, raised on every rank within seconds instead of a
+    collective that aborts or hangs. The wrappers call it in eager mode; it is skipped while
+    torch.compile traces, so a caller of a compiled loss calls it on the host first."""
+    logits = {"next_token_logits": next_token_logits}
+    if isinstance(next_token_logits, LinearLogits):
+        logits = {f"next_token_logits.{k}": getattr(next_token_logits, k) for k in ("hidden", "weight", "bias")}
+    check_agreement(
+        f"{who}'s inputs (shapes and dtypes)", {**logits, **{f"data[{k!r}]": v for k, v in data.items()}, **more},
+        vocab_parallel_group, context_parallel_group,
+    )
 
 
 def wrap_loss_fn_with_input_preparation(
@@ -36,7 +61,11 @@ def wrap_loss_fn_with_input_preparation(
     vocab_parallel_group: Any = None,
     context_parallel_group: Any = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """`prepare_fn` then `loss_fn` on an unpacked `[B, S]` micro-batch (ref §7.6)."""
+    """`prepare_fn` then `loss_fn` on an unpacked `[B, S]` micro-batch (ref §7.6). Under
+    tensor / context parallelism an eager call first checks that the ranks agree on every
+    shape and dtype (`check_inputs_agree`)."""
+    check_inputs_agree("wrap_loss_fn_with_input_preparation", next_token_logits, data, vocab_parallel_group,
+                       context_parallel_group)
     loss_input, data = prepare_fn(
         logits=next_token_logits,
         data=data,
@@ -78,8 +107,12 @@ def sequence_packing_loss(
     `prepare_packed_loss_input` kind) works on the packed logits directly and gets the
     layout. Either way `loss_fn` runs once on data zero-padded to the bucket and zeroed
     past each sequence's length — except the keys a loss names in `teacher_logits_keys`
-    (a cross-tokenizer teacher's logits, indexed by the teacher's own positions).
+    (a cross-tokenizer teacher's logits, indexed by the teacher's own positions). Under
+    tensor / context parallelism an eager call first checks that the ranks agree on every
+    shape and dtype (`check_inputs_agree`; the packing itself is checked where the layout
+    is built).
     """
+    check_inputs_agree("sequence_packing_loss", next_token_logits, data, vocab_parallel_group, context_parallel_group)
     if getattr(loss_fn, "input_type", None) == LossInputType.DISTILLATION and not (
         "token_mask" in data and "sample_mask" in data
     ):

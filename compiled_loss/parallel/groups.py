@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -22,16 +23,43 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+def _signature(value: Any) -> Any:
+    """A tensor as `dtype[shape]` (what a collective over it depends on); anything else as is."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return value
+
+
 def check_agreement(what: str, value: Any, *groups: dist.ProcessGroup | None) -> None:
     """Host side, before a collective whose shapes depend on `value`: every rank of each group
     holds an equal `value`; otherwise a ValueError naming every rank's value, raised on every
-    rank (the values travel in one small all-gather, whatever their shapes)."""
+    rank of the groups (the values travel in one small all-gather per group, whatever their
+    shapes).
+
+    `value` may be a dict of named items, each compared on its own (a tensor by its dtype and
+    shape); the error then lists only the items the ranks disagree on. Several groups (the
+    tensor- and the context-parallel group of a grid) are gathered one after the other, each
+    passing on what the previous gathered, so every rank of the grid sees every rank's value
+    and raises the same error. Skipped while torch.compile traces (it is a host-side check:
+    compiled code gets its inputs from a caller that checked them)."""
+    if torch.compiler.is_compiling():
+        return
+    groups = tuple(g for g in groups if group_size(g) > 1)
+    if not groups:
+        return
+    if isinstance(value, dict):
+        value = {name: _signature(item) for name, item in value.items()}
+    seen: dict[int, Any] = {dist.get_rank(): value}  # global rank -> value
     for group in groups:
-        size = group_size(group)
-        if size == 1:
-            continue
-        values: list[Any] = [None] * size
-        dist.all_gather_object(values, value, group=group)
-        if any(v != values[0] for v in values):
-            listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(f"the ranks of a process group disagree on {what}: {listed}")
+        gathered: list[Any] = [None] * group_size(group)
+        dist.all_gather_object(gathered, seen, group=group)
+        seen = {rank: v for part in gathered for rank, v in part.items()}
+    values = [seen[rank] for rank in sorted(seen)]
+    if all(v == values[0] for v in values):
+        return
+    if all(isinstance(v, dict) for v in values):  # only the items that differ
+        names = dict.fromkeys(name for v in values for name in v)
+        differ = [n for n in names if any(v.get(n, "absent") != values[0].get(n, "absent") for v in values)]
+        seen = {rank: ", ".join(f"{n}={v.get(n, 'absent')}" for n in differ) for rank, v in seen.items()}
+    listed = "; ".join(f"rank {rank}: {seen[rank]}" for rank in sorted(seen))
+    raise ValueError(f"the ranks of a process group disagree on {what}: {listed}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from compiled_loss.parallel import group_rank, group_size
+from compiled_loss.parallel import check_agreement, group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather
 from compiled_loss.vocab.fused import LinearLogits
 
@@ -77,12 +77,20 @@ def map_teacher_logits_to_draft_vocab(
     a raw `d2t` tensor is checked on every eager call (one sync) and not under torch.compile.
     `LinearLogits` (an LM head's factors) give the same logits from the draft vocabulary's
     rows of the head alone (its weight shards all-gathered under TP): no `[..., V]` logits.
+    An eager call under TP first checks that every rank holds an equally wide shard of the
+    same shape and dtype (a ValueError on every rank otherwise).
     """
     linear = isinstance(teacher_logits, LinearLogits)
     if d2t is None:
         return teacher_logits.logits() if linear else teacher_logits
     group = vocab_parallel_group
     shards = group_size(group)
+    check_agreement(
+        "map_teacher_logits_to_draft_vocab's inputs (each rank's teacher_logits are its vocabulary shard "
+        "[..., V / tp]: equally wide, with the same shape and dtype on every rank)",
+        {"teacher_logits.weight": teacher_logits.weight, "teacher_logits.bias": teacher_logits.bias}
+        if linear else {"teacher_logits": teacher_logits}, group,
+    )
     if linear:
         weight, bias = teacher_logits.weight, teacher_logits.bias
         if shards > 1:
@@ -112,5 +120,5 @@ def map_teacher_logits_to_draft_vocab(
     target = target.to(teacher_logits.device)
     if linear:
         bias = None if bias is None else bias[target]
-        return torch.nn.functional.linear(teacher_logits.hidden, weight[target], bias)
+        return teacher_logits.linear(weight[target], bias)
     return teacher_logits.index_select(-1, target)

@@ -10,8 +10,11 @@ projection one static chunk at a time, each chunk's logits exist only while its
 statistics — and its top-k / top-p thresholds (`top_k_top_p`), taken from the very logits
 they filter — are computed, and the backward recomputes them chunk by chunk to produce
 `dH`, `dW` (and `d bias`). The statistics, their merge over tensor-parallel vocabulary
-shards and the pointwise gradient are `vocab_reduce`'s own (`compiled_loss.vocab.stats`);
-under TP, `weight` is this rank's vocabulary shard and `dH` is summed over the group.
+shards and the pointwise gradient are `vocab_reduce`'s own (`compiled_loss.vocab.stats`).
+Under TP, `weight` is this rank's vocabulary shard, and the gradients are exactly those the
+dense logits `hidden @ weightᵀ` of that shard would give: `dW` of the shard's rows and this
+shard's share of `dH` — summed over the group by whoever replicated `hidden` (Megatron's
+`copy_to_tensor_model_parallel_region`; the training step's gradient all-reduce).
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ from typing import Any
 import torch
 
 from compiled_loss.parallel import group_rank
-from compiled_loss.parallel.collectives import all_reduce_sum
-from compiled_loss.vocab.sampling import sampling_threshold
+from compiled_loss.vocab.sampling import _thresholds
 from compiled_loss.vocab.stats import (
     VocabStats,
     _chunk_grad,
@@ -37,9 +39,11 @@ from compiled_loss.vocab.stats import (
 
 Tensor = torch.Tensor
 
-# Default rows per chunk: fp32 logit tiles of ~16 MiB, or more rows when that would make more
-# than _MAX_CHUNKS chunks (each chunk is unrolled in the compiled graph: compile time grows
-# with their number — 115 s for 64 chunks against 36 s for 16 at N=2048, V=128256).
+# Default rows per chunk: fp32 logit tiles of ~16 MiB. Any chunk size — the default or the
+# caller's — is raised to at least N / _MAX_CHUNKS rows (and the backward's vocabulary column
+# chunks to V / _MAX_CHUNKS): each chunk is unrolled in the compiled graph, so compile time
+# grows with their number (115 s for 64 chunks against 36 s for 16 at N=2048, V=128256; one
+# row per chunk took 50 s at N=256). Chunking is a memory knob; the values do not depend on it.
 _FUSED_CHUNK_ELEMENTS = 1 << 22
 _MAX_CHUNKS = 16
 
@@ -50,13 +54,18 @@ class LinearLogits:
 
     `hidden [..., H]` (any leading positions: `[B, S, H]` unpacked, `[1, T, H]` packed),
     `weight [V, H]` — this rank's vocabulary shard `[V / tp, H]` under tensor parallelism —
-    and an optional `bias [V]`. `shape` is the shape of the logits it stands for. The logits
-    are computed in the parameters' dtype (as an LM head's linear layer does) and reduced
-    in fp32."""
+    and an optional `bias [V]`. `shape` is the shape of the logits it stands for, `dtype`
+    their dtype: the one `torch.nn.functional.linear(hidden, weight, bias)` gives where the
+    `LinearLogits` is built — inside `torch.autocast`, the autocast dtype (bf16 hidden
+    states and an fp32 head, say); outside it, the one dtype of the three (mixed dtypes are
+    refused, as `linear` refuses them); or pass `dtype`. The projection runs in that dtype
+    whatever the autocast state where it is consumed, the statistics are reduced in fp32,
+    and each factor's gradient comes back in its own dtype (the dense path's gradients)."""
 
     hidden: Tensor
     weight: Tensor
     bias: Tensor | None = None
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.hidden.dim() < 1 or self.weight.dim() != 2 or self.hidden.shape[-1] != self.weight.shape[1]:
@@ -66,6 +75,18 @@ class LinearLogits:
             )
         if self.bias is not None and tuple(self.bias.shape) != (self.weight.shape[0],):
             raise ValueError(f"LinearLogits: bias must be [{self.weight.shape[0]}], got {tuple(self.bias.shape)}")
+        if self.dtype is None:
+            device = self.hidden.device.type
+            if torch.is_autocast_enabled(device):
+                object.__setattr__(self, "dtype", torch.get_autocast_dtype(device))
+            elif len({t.dtype for t in (self.hidden, self.weight, self.bias) if t is not None}) > 1:
+                raise TypeError(
+                    f"LinearLogits: hidden ({self.hidden.dtype}), weight ({self.weight.dtype}) and bias "
+                    f"({None if self.bias is None else self.bias.dtype}) must share one dtype outside torch.autocast, "
+                    "as torch.nn.functional.linear requires: build it inside the autocast region, or pass dtype="
+                )
+            else:
+                object.__setattr__(self, "dtype", self.weight.dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -85,7 +106,18 @@ class LinearLogits:
 
     def logits(self) -> Tensor:
         """The logits themselves, `[..., V]` (for a consumer that reads every logit)."""
-        return torch.nn.functional.linear(self.hidden, self.weight, self.bias)
+        return self.linear(self.weight, self.bias)
+
+    def linear(self, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """`hidden @ weightᵀ + bias` in the logits' dtype, for these or other rows of the head."""
+        hidden, weight, bias = _cast(self.dtype, self.hidden, weight, bias)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden, weight, bias)
+
+
+def _cast(dtype: torch.dtype, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Each tensor in `dtype` (differentiable: its gradient comes back in its own dtype)."""
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def per_position(logits: Tensor | LinearLogits, fn: Callable[[Tensor], Tensor]) -> Tensor | LinearLogits:
@@ -97,8 +129,8 @@ def per_position(logits: Tensor | LinearLogits, fn: Callable[[Tensor], Tensor]) 
 
 
 def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
-    """Rows per chunk: `chunk_size`, or ~16 MiB of fp32 logits but at most `_MAX_CHUNKS` chunks."""
-    return chunk_size or max(1, _FUSED_CHUNK_ELEMENTS // max(vocab, 1), -(-n_rows // _MAX_CHUNKS))
+    """Rows per chunk: `chunk_size` (default ~16 MiB of fp32 logits), but at most `_MAX_CHUNKS` chunks."""
+    return max(chunk_size or max(1, _FUSED_CHUNK_ELEMENTS // max(vocab, 1)), -(-n_rows // _MAX_CHUNKS))
 
 
 def _chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, int]]:
@@ -116,7 +148,7 @@ class _LinearVocabReduce(torch.autograd.Function):
         for s, e in _chunks(n, vocab, chunk_size):
             x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
             if top_k_top_p is not None:  # from the very logits it filters (a recompute may differ in the last bit)
-                thresholds.append(sampling_threshold(x, *top_k_top_p, group=group))
+                thresholds.append(_thresholds(x, *top_k_top_p, group=group))
             x, _ = _filtered_chunk(x, thresholds[-1] if thresholds else None, False)
             parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e],
                                       entropy))
@@ -125,7 +157,7 @@ class _LinearVocabReduce(torch.autograd.Function):
         lse, picked, negent, cross, teacher_lse = _merge_shards(stats, weighted, picked, entropy,
                                                                 teacher is not None, group)
         ctx.save_for_backward(hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
-        ctx.chunk_size, ctx.entropy, ctx.group = chunk_size, entropy, group
+        ctx.chunk_size, ctx.entropy = chunk_size, entropy
         return lse, picked, negent, cross
 
     @staticmethod
@@ -141,7 +173,6 @@ class _LinearVocabReduce(torch.autograd.Function):
                 hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse, grads,
                 ctx.entropy, ctx.chunk_size,
             )
-        grad_hidden = all_reduce_sum(grad_hidden, ctx.group)  # every vocabulary shard's share
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -152,7 +183,7 @@ def _vocab_chunked_backward(hidden, weight, bias, local, in_shard, teacher, lse,
     partial sums — and only the small `[N, H]` dH accumulates (in fp32)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     live = _live(grads)
-    step = max(1, _chunk_rows(n, vocab, chunk_size) * vocab // max(n, 1))
+    step = max(1, _chunk_rows(n, vocab, chunk_size) * vocab // max(n, 1), -(-vocab // _MAX_CHUNKS))
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight, grad_bias = [], []
     for a in range(0, vocab, step):
@@ -205,14 +236,15 @@ def linear_vocab_reduce(
 ) -> VocabStats:
     """`vocab_reduce` of `LinearLogits` with `[N, H]` hidden states (called by it, arguments
     checked there), computed `chunk_size` rows at a time (default: ~16 MiB of fp32 logits
-    per chunk, at most 16 chunks) in eager and compiled code alike, so no `[N, V]` logits
-    exist at any point; the backward recomputes the logits (over vocabulary column chunks,
-    or the forward's row chunks under top-k / top-p) and returns the gradients of
-    `hidden`, `weight` and `bias`. `top_k_top_p` thresholds come from each chunk's logits
-    in the same pass."""
-    hidden = logits.hidden
-    if hidden.dim() != 2:
-        raise ValueError(f"linear_vocab_reduce: hidden must be [N, H], got {tuple(hidden.shape)}")
-    return VocabStats(*_LinearVocabReduce.apply(
-        hidden, logits.weight, logits.bias, index, top_k_top_p, teacher, entropy, chunk_size, group
-    ))
+    per chunk; more rows per chunk where that would make more than 16 chunks) in eager and
+    compiled code alike, so no `[N, V]` logits exist at any point; the backward recomputes
+    the logits (over at most 16 vocabulary column chunks, or the forward's row chunks under
+    top-k / top-p) and returns the gradients of `hidden`, `weight` and `bias`, each in its
+    own dtype. `top_k_top_p` thresholds come from each chunk's logits in the same pass."""
+    if logits.hidden.dim() != 2:
+        raise ValueError(f"linear_vocab_reduce: hidden must be [N, H], got {tuple(logits.hidden.shape)}")
+    hidden, weight, bias = _cast(logits.dtype, logits.hidden, logits.weight, logits.bias)
+    with torch.autocast(hidden.device.type, enabled=False):  # the projection in the logits' own dtype
+        return VocabStats(*_LinearVocabReduce.apply(
+            hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group
+        ))

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from compiled_loss.parallel import group_rank, group_size
+from compiled_loss.parallel import check_agreement, group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
 from compiled_loss.vocab.fused import LinearLogits, linear_vocab_reduce
-from compiled_loss.vocab.sampling import sampling_threshold
+from compiled_loss.vocab.sampling import _thresholds
 from compiled_loss.vocab.stats import (
     VocabStats,
     _chunk_grad,
@@ -103,39 +103,71 @@ def vocab_reduce(
     `teacher [N, V]` (detached) gives `cross`; `entropy` computes `negent`.
     `chunk_size` (rows) bounds the eager-mode fp32 working set; ignored when compiling.
     With a tensor-parallel `group`, `logits` (and `teacher`) are this rank's vocabulary
-    shard `[N, V / tp]` (rank `r` holds ids `[r·V/tp, (r+1)·V/tp)`), `index` holds GLOBAL
-    ids, and every statistic is the full vocabulary's; the gradient is this shard's slice
-    of the full one.
+    shard `[N, V / tp]` (rank `r` holds ids `[r·V/tp, (r+1)·V/tp)`: every shard equally
+    wide), `index` holds GLOBAL ids, and every statistic is the full vocabulary's; the
+    gradient is this shard's slice of the full one.
+
+    An eager call checks, on the host and before any collective, that every id of `index`
+    lies in `[0, V)` and that every rank of `group` holds an equally wide shard of as many
+    rows, in the same dtype, with the same other inputs — a ValueError (the same on every
+    rank) otherwise. Compiled code skips these checks: its caller checks on the host.
 
     `top_k_top_p = (top_k, top_p)` filters with `sampling_threshold`'s thresholds instead of
     a given `threshold`.
 
     `logits` may be a `LinearLogits` (`[N, H]` hidden states and the LM head): the same
-    statistics without the `[N, V]` logits, `chunk_size` rows at a time compiled or not,
-    with the gradients of the hidden states, weight and bias (`linear_vocab_reduce`); its
-    filter is `top_k_top_p` (thresholds taken from each chunk's logits in the same pass).
+    statistics without the `[N, V]` logits, `chunk_size` rows at a time compiled or not
+    (raised to `N / 16` rows where it would make more than 16 chunks: each chunk is
+    unrolled in a compiled graph; the values do not depend on the chunking), with the
+    gradients of the hidden states, weight and bias (`linear_vocab_reduce`); its filter is
+    `top_k_top_p` (thresholds taken from each chunk's logits in the same pass).
     """
     if threshold is not None and top_k_top_p is not None:
         raise ValueError("vocab_reduce: pass threshold or top_k_top_p, not both")
     check_chunk_size(chunk_size)
+    if isinstance(logits, LinearLogits) and threshold is not None:
+        raise ValueError(
+            "vocab_reduce: LinearLogits filter with top_k_top_p=(top_k, top_p), not a threshold: the logits "
+            "each chunk recomputes may differ in the last bit from those a threshold was taken from"
+        )
+    if not torch.compiler.is_compiling():
+        _check_shards(logits, index, group, threshold=threshold, teacher=teacher, top_k_top_p=top_k_top_p,
+                      chunk_size=chunk_size)
     if index is None:
         index = torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device)
     if teacher is not None:
         teacher = teacher.detach()
     if isinstance(logits, LinearLogits):
-        if threshold is not None:
-            raise ValueError(
-                "vocab_reduce: LinearLogits filter with top_k_top_p=(top_k, top_p), not a threshold: the logits "
-                "each chunk recomputes may differ in the last bit from those a threshold was taken from"
-            )
         return linear_vocab_reduce(logits, index, top_k_top_p, teacher, entropy, chunk_size, group)
     if top_k_top_p is not None:
-        threshold = sampling_threshold(logits, *top_k_top_p, group=group)
+        threshold = _thresholds(logits, *top_k_top_p, group=group)
     if threshold is not None:
         threshold = threshold.detach().float()
     return VocabStats(
         *_VocabReduce.apply(logits, index, threshold, teacher, entropy, chunk_size, group)
     )
+
+
+def _check_shards(logits: Tensor | LinearLogits, index: Tensor | None, group: Any, **inputs: Any) -> None:
+    """Eager, host side (one device sync): `vocab_reduce`'s preconditions. Every rank of a
+    tensor-parallel `group` holds an equally wide vocabulary shard — rank `r` holds ids
+    `[r·V/tp, (r+1)·V/tp)` — of as many rows, in the same dtype, with the same other inputs
+    (the collectives' shapes follow them); and every id of `index` lies in the full
+    vocabulary `[0, V)`. A ValueError on every rank otherwise, before any collective."""
+    factors = {"logits.hidden": logits.hidden, "logits.weight": logits.weight, "logits.bias": logits.bias} \
+        if isinstance(logits, LinearLogits) else {"logits": logits}
+    vocab = logits.shape[-1] * group_size(group)
+    outside = 0 if index is None else int(((index < 0) | (index >= vocab)).sum())  # host
+    check_agreement(
+        "vocab_reduce's inputs (each rank's logits are its vocabulary shard [N, V / tp]: equally wide, with the "
+        "same rows, dtype and other inputs on every rank)",
+        {**factors, "index": index, **inputs, "ids outside the vocabulary": outside}, group,
+    )
+    if outside:
+        shards = f", {group_size(group)} tensor-parallel shards of {logits.shape[-1]}" if group_size(group) > 1 else ""
+        raise ValueError(
+            f"vocab_reduce: index holds ids outside the vocabulary [0, {vocab}) ({outside} of {index.numel()}{shards})"
+        )
 
 
 def token_logprobs(
@@ -158,7 +190,13 @@ def token_logprobs(
 def vocab_topk(logits: Tensor, k: int, group: Any = None) -> tuple[Tensor, Tensor]:
     """The `min(k, V)` largest logits of each row and their GLOBAL vocabulary ids (ref §8.8),
     fp32 values in descending order; with a tensor-parallel `group`, over the full
-    vocabulary of the row's shards."""
+    vocabulary of the row's shards (an eager call first checks that every rank holds an
+    equally wide shard of as many rows: a ValueError on every rank otherwise)."""
+    check_agreement(
+        "vocab_topk's inputs (each rank's logits are its vocabulary shard [..., V / tp]: equally wide, with the same "
+        "rows, dtype and k on every rank)",
+        {"logits": logits, "k": k}, group,
+    )
     vocab = logits.shape[-1]
     values, ids = torch.topk(logits.float(), min(k, vocab), -1)
     shards = group_size(group)
@@ -269,7 +307,8 @@ def reverse_kl(
     entropy `Σ p log p` and the cross-entropy `-Σ p log q` (so `KL = negent + CE`); each
     fp32 `[N]`. Gradient to `logits` only; eager mode works in `chunk_size` row tiles.
     With a tensor-parallel `group` both are this rank's vocabulary shard and the results
-    are the full vocabulary's."""
+    are the full vocabulary's (an eager call first checks that every rank holds an equally
+    wide shard of as many rows: a ValueError on every rank otherwise)."""
     check_chunk_size(chunk_size)
     if isinstance(logits, LinearLogits):
         raise ValueError("reverse_kl: pass the student's logits tensor, not LinearLogits")
@@ -278,4 +317,9 @@ def reverse_kl(
             f"reverse_kl: teacher logits must match the logits' shape {tuple(logits.shape)}, "
             f"got {tuple(teacher.shape)}"
         )
+    check_agreement(
+        "reverse_kl's inputs (each rank's logits are its vocabulary shard [N, V / tp]: equally wide, with the same "
+        "rows and dtypes on every rank)",
+        {"logits": logits, "teacher": teacher}, group,
+    )
     return _ReverseKL.apply(logits, teacher.detach(), chunk_size, group)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from compiled_loss.checks import check_fields, require
-from compiled_loss.parallel import group_size
+from compiled_loss.parallel import check_agreement, group_size
 from compiled_loss.vocab.stats import check_chunk_size, row_chunks
 
 Tensor = torch.Tensor
@@ -105,9 +105,23 @@ def sampling_threshold(
     the largest value. The kept set is expressed as a value threshold, so ties at the
     nucleus boundary are all kept. Rows are processed `chunk_size` at a time (default:
     ~4 MiB of fp32 per chunk), compiled or not. With a tensor-parallel `group`, `logits`
-    is this rank's vocabulary shard and the thresholds are the full vocabulary's.
+    is this rank's vocabulary shard and the thresholds are the full vocabulary's; an eager
+    call first checks that every rank holds an equally wide shard of as many rows (a
+    ValueError on every rank otherwise).
     """
     check_chunk_size(chunk_size)
+    check_agreement(
+        "sampling_threshold's inputs (each rank's logits are its vocabulary shard [N, V / tp]: equally wide, with the "
+        "same rows, dtype and filter on every rank)",
+        {"logits": logits, "top_k": top_k, "top_p": top_p, "chunk_size": chunk_size}, group,
+    )
+    return _thresholds(logits, top_k, top_p, chunk_size, group)
+
+
+def _thresholds(
+    logits: Tensor, top_k: int | None, top_p: float | None, chunk_size: int | None = None, group: Any = None
+) -> Tensor:
+    """`sampling_threshold` of inputs already checked (by `vocab_reduce`)."""
     k = top_k if top_k is not None and top_k > 0 else 0
     p = 1.0 if top_p is None else float(top_p)
     name = group.group_name if group is not None and group_size(group) > 1 else ""

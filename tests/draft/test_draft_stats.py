@@ -165,10 +165,18 @@ def test_projected_soft_ce_over_tensor_parallel_vocabulary_shards_equals_the_ful
         weights=weights)
     loss = stats.normalized(stats.counts)
     grad_h, grad_w = torch.autograd.grad(loss, (h, w))
-    for rank, (got, (got_h, got_w)) in enumerate(run_on_ranks(_projected_tp, True, timeout=90)):
+    logits = (h.detach() @ w.detach().T).requires_grad_()  # the dense logits' gradient splits d hidden by shard
+    dense = streaming_vocab_parallel_soft_ce(student_logits=logits, teacher_logits=teacher.float(), mask=mask.float(),
+                                             bin_ids=bin_ids, weights=weights)
+    grad_logits = torch.autograd.grad(dense.normalized(dense.counts), logits)[0]
+    results = run_on_ranks(_projected_tp, True, timeout=90)
+    for rank, (got, (got_h, got_w)) in enumerate(results):
+        shard = slice(rank * 6, (rank + 1) * 6)
         torch.testing.assert_close(got, loss.detach())
-        torch.testing.assert_close(got_h, grad_h)  # the hidden gradient is summed over the shards
-        torch.testing.assert_close(got_w[rank * 6:(rank + 1) * 6], grad_w[rank * 6:(rank + 1) * 6])
+        # d hidden as the dense logits `h @ w_shardᵀ` give it: this shard's share, not summed over TP
+        torch.testing.assert_close(got_h, grad_logits[:, shard] @ w.detach()[shard])
+        torch.testing.assert_close(got_w[shard], grad_w[shard])
+    torch.testing.assert_close(results[0][1][0] + results[1][1][0], grad_h)  # the shares sum to the gradient
 
 
 def test_ranks_with_different_masks_raise_the_same_error():

@@ -10,11 +10,15 @@ Each rank passes `LinearLogits(hidden, weight[r·V/tp : (r+1)·V/tp], bias[r·V/
 zero_outside_topk True and False. Checked on every rank:
 
 - the loss and every metric equal the single-process values;
-- `d hidden` equals the single-process gradient at this rank's positions — the whole of it
-  under TP (`linear_vocab_reduce` sums `dH` over the vocabulary shards) — **times cp**: the
-  reference's context-parallel convention (README "tensor / context parallelism": its
-  all-gather backward sums the incoming gradient over the CP ranks and its trainer divides
-  the loss by cp), so at cp = 1 it is the plain gradient;
+- `d hidden` is exactly what the dense logits `hidden @ weight_shardᵀ` would give: this
+  shard's share, cp × the single-process logit gradient at this rank's positions and
+  vocabulary columns projected back (`G weight_shard`) — `LinearLogits` does not sum `dH`
+  over the TP group, whoever replicated `hidden` does; and, summed over the TP group (what
+  the training step's gradient all-reduce / Megatron's copy region does), the single-process
+  gradient at this rank's positions **times cp**: the reference's context-parallel convention
+  (README "tensor / context parallelism": its all-gather backward sums the incoming gradient
+  over the CP ranks and its trainer divides the loss by cp), so at cp = 1 it is the plain
+  gradient;
 - `d weight` / `d bias` of the shard: this rank's share, i.e. cp × the single-process logit
   gradient at its positions and vocabulary columns projected back (`Gᵀ hidden`, `Σ G`); and,
   summed over the CP group (what the trainer's gradient all-reduce does), cp × the matching
@@ -139,19 +143,23 @@ def _check(name: str, which: str, chunk: int | None, tp_rank: int, tp: int, cp: 
     got, metrics = _wrapper(which, case, chunk, tp_group, cp_group)(LinearLogits(h, w, b), data, gs, gt)
     dh, dw, db = torch.autograd.grad(got, [h, w, b])
 
-    # this rank's share of d weight / d bias: cp × its positions' logit gradient, projected back
-    share = cp * _local(which, want_dlogits, cp_group)[..., cols].flatten(0, 1)
+    # this rank's share of d hidden / d weight / d bias: cp × its positions' logit gradient at
+    # its vocabulary columns, projected back
+    share = cp * _local(which, want_dlogits, cp_group)[..., cols]
     local_h = h.detach().flatten(0, 1)
-    summed_dw, summed_db = dw.clone(), db.clone()
+    summed_dh, summed_dw, summed_db = dh.clone(), dw.clone(), db.clone()
+    if tp_group is not None:  # the replicated hidden states' gradient all-reduce over the TP ranks
+        dist.all_reduce(summed_dh, group=tp_group)
     if cp_group is not None:  # the trainer's gradient all-reduce over the CP ranks
         dist.all_reduce(summed_dw, group=cp_group)
         dist.all_reduce(summed_db, group=cp_group)
     checks = [
         ("loss", got, want, TOL),
         *((f"metric {key}", metrics.get(key), want_metrics[key], TOL) for key in want_metrics),
-        ("d hidden", dh, cp * _local(which, want_dh, cp_group), TOL),
-        ("d weight (this rank's share)", dw, share.t() @ local_h, GRAD_TOL),
-        ("d bias (this rank's share)", db, share.sum(0), GRAD_TOL),
+        ("d hidden (this rank's share)", dh, share @ weight[cols], TOL),
+        ("d hidden (summed over tp)", summed_dh, cp * _local(which, want_dh, cp_group), TOL),
+        ("d weight (this rank's share)", dw, share.flatten(0, 1).t() @ local_h, GRAD_TOL),
+        ("d bias (this rank's share)", db, share.flatten(0, 1).sum(0), GRAD_TOL),
         ("d weight (summed over cp)", summed_dw, cp * want_dw[cols], GRAD_TOL),
         ("d bias (summed over cp)", summed_db, cp * want_db[cols], GRAD_TOL),
     ]

@@ -1,6 +1,8 @@
 """`LinearLogits` (hidden states + LM head) in place of logits: the same losses, metrics and
-gradients (w.r.t. hidden states, weight, bias) through every input type and wrapper, no
-`[N, V]` tensor at any point, clear errors where logits are needed, and one graph."""
+gradients (w.r.t. hidden states, weight, bias) through every input type and wrapper — mixed
+dtypes under autocast included, refused outside it as `linear` refuses them — no `[N, V]`
+tensor at any point, at most 16 chunks whatever the chunk size, clear errors where logits
+are needed, and one graph."""
 
 from __future__ import annotations
 
@@ -247,3 +249,86 @@ def test_one_graph_when_compiled_and_when_passed_into_a_compiled_loss():
     torch.testing.assert_close(got_handed, want)
     for g_want, g_got in zip(torch.autograd.grad(want, (h, w, b)), torch.autograd.grad(got_handed, (h, w, b))):
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("wrapper", ["unpacked", "fused"])
+def test_autocast_mixed_dtypes_equal_the_dense_path(wrapper):
+    """bf16 hidden states and an fp32 head and bias under `torch.autocast` (the loss computed
+    there, the backward after it): the logits are the autocast dtype's products both ways,
+    and the loss, metrics and every gradient — each in its own input's dtype (bf16 for the
+    hidden states, fp32 for the head) — equal the dense `linear` path's."""
+    case = next(c for c in CASES if c.name == "grpo")
+    loss_fn = case.make_loss()
+    data, _ = make_batch(case, LENGTHS, WIDTH, 0)
+    gs, gt = globals_for(data)
+    w, b = _head(1)
+    h = torch.randn(len(LENGTHS), WIDTH, H, generator=torch.Generator().manual_seed(2))
+    if wrapper == "unpacked":
+        def call(logits):
+            return wrap_loss_fn_with_input_preparation(logits, data, gs, gt, loss_fn=loss_fn,
+                                                       prepare_fn=prepare_loss_input)
+    else:
+        cu, cup = boundaries(LENGTHS, PADS)
+        wrapped = SequencePackingFusionLossWrapper(loss_fn, prepare_packed_loss_input, cu, cup,
+                                                   bucket=BucketGrid(tokens=16, rows=2, width=8))
+        h = _packed_hidden(h, wrapped.layout.tokens, cup, 3).detach()
+
+        def call(logits):
+            return wrapped(logits, data, gs, gt)
+    h = h.bfloat16().requires_grad_()
+    results = {}
+    for name, make in (("dense", torch.nn.functional.linear), ("linear", LinearLogits)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, metrics = call(make(h, w, b))
+        results[name] = loss, metrics, torch.autograd.grad(loss, (h, w, b))
+    want, got = results["dense"], results["linear"]
+    assert [g.dtype for g in got[2]] == [g.dtype for g in want[2]] == [torch.bfloat16, torch.float32, torch.float32]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-4)
+    assert_metrics_close(got[1], want[1], rtol=1e-3, atol=1e-4)
+    for a, c in zip(got[2], want[2]):
+        torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_mixed_dtypes_outside_autocast_are_refused_as_linear_refuses_them():
+    """Outside autocast the dense `linear` refuses bf16 hidden states with an fp32 head, and so
+    does `LinearLogits`, when it is built (not in a backward); `dtype=` chooses one."""
+    h, w = torch.randn(3, H, dtype=torch.bfloat16), torch.randn(VOCAB, H)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.nn.functional.linear(h, w)
+    with pytest.raises(TypeError) as error:
+        LinearLogits(h, w)
+    assert str(error.value) == (
+        "LinearLogits: hidden (torch.bfloat16), weight (torch.float32) and bias (None) must share one dtype outside "
+        "torch.autocast, as torch.nn.functional.linear requires: build it inside the autocast region, or pass dtype="
+    )
+    h32 = h.float().requires_grad_()
+    lp = token_logprobs(LinearLogits(h32, w, dtype=torch.bfloat16), torch.arange(3))
+    torch.testing.assert_close(lp, token_logprobs(torch.nn.functional.linear(h32.bfloat16(), w.bfloat16()),
+                                                  torch.arange(3)))
+    assert torch.autograd.grad(lp.sum(), h32)[0].dtype == torch.float32
+
+
+def test_a_small_chunk_size_is_raised_to_at_most_16_chunks(monkeypatch):
+    """Each chunk is unrolled in a compiled graph, so a chunk size is raised to N / 16 rows
+    (and the backward's vocabulary column chunks to V / 16 columns): `chunk_size=1` over 100
+    rows and 40 ids projects 15 row chunks of 7 rows forward and 14 column chunks of 3 ids
+    backward (15 row chunks with top-k), where it made 100 and 40. The values are the
+    default chunking's."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(100, H, generator=g, requires_grad=True), torch.randn(40, H, generator=g, requires_grad=True)
+    targets = torch.randint(0, 40, (100,), generator=g)
+    linear, shapes = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, weight, bias=None: (
+        shapes.append((x.shape[0], weight.shape[0])) or linear(x, weight, bias)))
+    for top_k_top_p, backward in ((None, [(100, 3)] * 13 + [(100, 1)]), ((5, 1.0), [(7, 40)] * 14 + [(2, 40)])):
+        want = token_logprobs(LinearLogits(h, w), targets, top_k_top_p=top_k_top_p)
+        want_grads = torch.autograd.grad(want.sum(), (h, w))
+        shapes.clear()
+        got = token_logprobs(LinearLogits(h, w), targets, top_k_top_p=top_k_top_p, chunk_size=1)
+        assert shapes == [(7, 40)] * 14 + [(2, 40)]
+        shapes.clear()
+        got_grads = torch.autograd.grad(got.sum(), (h, w))
+        assert shapes == backward
+        torch.testing.assert_close(got, want)
+        for a, c in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, c)
