@@ -81,7 +81,7 @@ class Rollouts:
         start = time.perf_counter()
         uniforms = sampling_uniforms(self.cfg.run.seed, step, self.rows, self.sampler.response_len)
         local = prompts.rows(self._share())
-        samples = self.sampler(local, uniforms[self._share()])
+        samples = self.sampler(local, uniforms[self._share()], step=step)
         rewards = score(local, samples.tokens, samples.lengths)
         mask = torch.arange(samples.tokens.shape[1]) < samples.lengths[:, None]
         sums = torch.stack([rewards.sum(), (rewards == 1).sum(), -(samples.logprobs * mask).sum(), mask.sum(),

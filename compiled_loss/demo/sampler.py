@@ -19,6 +19,10 @@ describe — with one uniform per row and step that the caller supplies
 batch, so a data-parallel replica draws the rows a single process would, and a resumed
 run draws what an uninterrupted one did). The sampler returns its own log-probs of the
 tokens it drew: a trainer's `generation_logprobs`.
+
+A diverged policy (NaN or inf in a row's logits) has no distribution to draw from: the
+compiled draw keeps every id inside the vocabulary and marks the row's log-prob NaN, and
+the host raises `FloatingPointError` once the batch's tokens are back (no further sync).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ def _pick(logits: Tensor, uniforms: Tensor, *, temperature: float, top_k: int | 
           alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One token per row `[R]` drawn by inverse CDF with `uniforms [R]` from
     `softmax(logits / temperature)` under the top-k / top-p filter, its log-prob, and which
-    rows are still alive after it. Rows no longer `alive` get PAD and log-prob 0."""
+    rows are still alive after it. Rows no longer `alive` get PAD and log-prob 0; a row
+    whose logits are not finite gets an id inside the vocabulary and log-prob NaN."""
     x = logits.float() / temperature
     if (top_k is not None and top_k > 0) or top_p != 1.0:
         x = torch.where(x >= sampling_threshold(x, top_k, top_p)[:, None], x, float("-inf"))
@@ -56,8 +61,9 @@ def _pick(logits: Tensor, uniforms: Tensor, *, temperature: float, top_k: int | 
     cdf = logp.exp().cumsum(-1)
     total = cdf[:, -1:]  # the largest point below the total keeps the draw on a kept token
     point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    tokens = torch.searchsorted(cdf, point, right=True)
-    picked = logp.gather(-1, tokens)[:, 0]
+    # a NaN / inf row has a NaN cdf: searchsorted answers V there, one past the vocabulary
+    tokens = torch.searchsorted(cdf, point, right=True).clamp(max=x.shape[-1] - 1)
+    picked = torch.where(total[:, 0].isfinite(), logp.gather(-1, tokens)[:, 0], float("nan"))
     tokens = tokens[:, 0]
     return torch.where(alive, tokens, PAD), torch.where(alive, picked, 0.0), alive & (tokens != EOS)
 
@@ -110,7 +116,9 @@ class Sampler:
         return self.recorder.report.compiles if self.recorder else 0
 
     @torch.no_grad()
-    def __call__(self, prompts: Prompts, uniforms: Tensor) -> Samples:
+    def __call__(self, prompts: Prompts, uniforms: Tensor, *, step: int | None = None) -> Samples:
+        """Sample a response to each prompt; `FloatingPointError` when the policy's logits
+        are not finite (a diverged policy), naming the training `step` when given."""
         if tuple(prompts.input_ids.shape) != (self.rows, self.prompt_len):
             raise ValueError(f"Sampler takes {self.rows} prompts of width {self.prompt_len}, got "
                              f"{tuple(prompts.input_ids.shape)}")
@@ -124,6 +132,14 @@ class Sampler:
             drawn.append(tokens)
             drawn_logprobs.append(logprobs)
         tokens_nr, logprobs_nr = torch.stack(drawn, 1).cpu(), torch.stack(drawn_logprobs, 1).cpu()
+        diverged = logprobs_nr.isnan()  # on the host already: no further sync
+        if diverged.any():  # host
+            row, slot = diverged.nonzero()[0].tolist()  # host
+            who = "Sampler" if step is None else f"Sampler (step {step})"
+            raise FloatingPointError(
+                f"{who}: the policy's logits for row {row} at response slot {slot} are not finite (NaN or inf): "
+                "the policy has diverged, there is no distribution to sample from"
+            )
         ended = tokens_nr == EOS
         lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, self.response_len)
         return Samples(tokens_nr, logprobs_nr, lengths)

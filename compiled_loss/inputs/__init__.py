@@ -5,7 +5,8 @@ consumes (ref §5), through the vocab room, plus the teacher side of on-policy d
   `get_next_token_logprobs_from_logits`, `get_distillation_topk_logprobs_from_logits`;
 - `teacher`: `reconstruct_opd_full_teacher_logits`, `project_hidden_states_per_teacher`, the data
   keys of the teacher payload;
-- `validate`: `validate_batch`, the host-side check of a batch before compiled code;
+- `validate`: `validate_batch`, the host-side check of a batch before compiled code, and
+  the shape and token-id checks the preparers run on every call;
 - `cross_tokenizer`: `align_tokenizations` (student → teacher positions, host side) and the
   DISTILLATION_CROSS_TOKENIZER loss input.
 """

@@ -27,6 +27,7 @@ from compiled_loss.inputs.teacher import (
     reconstruct_opd_full_teacher_logits,
     teacher_logits,
 )
+from compiled_loss.inputs.validate import check_batch_shapes, check_token_ids
 from compiled_loss.interfaces import LossInputType
 from compiled_loss.losses.common import require_keys
 from compiled_loss.packing import CpuIntTuple, PackedLayout, roll_within_segments, row_width
@@ -133,6 +134,26 @@ def _check_linear(logits: Tensor | LinearLogits, loss_fn: Any, who: str) -> None
             f"{who}: with use_fused_linear_logprobs the logits argument holds next-token log-probs [B, S]; "
             "LinearLogits computes them here instead: pass one or the other"
         )
+
+
+# the data key whose token ids each input type reads (LOGIT and DRAFT inputs read none)
+_TOKEN_ID_KEY = {
+    LossInputType.LOGPROB: "input_ids",
+    LossInputType.DISTILLATION: "teacher_topk_indices",
+    LossInputType.OPD_FULL: "input_ids",
+    LossInputType.DISTILLATION_CROSS_TOKENIZER: "input_ids",
+}
+
+
+def _check_data(logits: Tensor | LinearLogits, data: Mapping[str, Tensor], loss_fn: Any, group: Any,
+                who: str) -> None:
+    """The batch's shapes and dtypes (`check_batch_shapes`: static, so a compiled call
+    refuses a bad batch while tracing) and, in eager mode, the token ids the input type
+    reads against the vocabulary `V = V_local · tp` (one host read; see `check_token_ids`)."""
+    check_batch_shapes(data, who)
+    key = _TOKEN_ID_KEY.get(loss_fn.input_type)
+    if key is not None and not getattr(loss_fn, "use_fused_linear_logprobs", False):
+        check_token_ids(data, (key,), logits.shape[-1] * group_size(group), who)
 
 
 def _top_k_top_p(sampling_params: TrainingSamplingParams | None) -> tuple[int | None, float] | None:
@@ -327,12 +348,18 @@ def prepare_loss_input(
     `data["opd_full_teacher_index"]` when present); hidden states are projected through
     `teacher_output_layer_weight_by_index`. Context parallelism is `context_parallel_group`
     (the load-balanced 2·cp layout); `cp_sharder` must be None.
+
+    Refused before any vocabulary work: batch keys whose shape or dtype cannot be right
+    (`check_batch_shapes`; a teacher payload or top-k teacher must hold one entry per
+    position of `input_ids`, under context parallelism too) and, in an eager call, a token
+    id outside the vocabulary (a ValueError naming the key, the id and `V`).
     """
     _check_rank(vocab_parallel_rank, vocab_parallel_group)
     check_chunk_size(chunk_size)
     _check_cp_sharder(cp_sharder)
     input_type = loss_fn.input_type
     _check_linear(logits, loss_fn, "prepare_loss_input")
+    _check_data(logits, data, loss_fn, vocab_parallel_group, "prepare_loss_input")
     if input_type == LossInputType.LOGIT:
         if group_size(context_parallel_group) > 1:
             view = _Rows.of(logits, row_width(data), context_parallel_group)
@@ -425,7 +452,8 @@ def prepare_packed_loss_input(
     it one is built here from the boundaries (exact shapes, host work). Entries for
     positions past a sequence's last prediction (`t >= L_i - 1`) are left as computed;
     the packing wrappers zero them. `logits` may be `LinearLogits` (hidden states `[1, T, H]`
-    and the LM head) for LOGPROB and DISTILLATION losses. OPD_FULL: as `prepare_loss_input`.
+    and the LM head) for LOGPROB and DISTILLATION losses. OPD_FULL and the checks of the
+    batch: as `prepare_loss_input`.
 
     Pre-packed batches (`"cu_seqlens"` in `data`: `input_ids` and the masks are already one
     packed `[1, T]` row whose masks exclude each sequence's last position) take LOGPROB
@@ -437,6 +465,7 @@ def prepare_packed_loss_input(
     if "cu_seqlens" in data:
         return _pre_packed_loss_input(logits, data, loss_fn, vocab_parallel_group, context_parallel_group,
                                       sampling_params, chunk_size)
+    _check_data(logits, data, loss_fn, vocab_parallel_group, "prepare_packed_loss_input")
     if layout is None:
         if cu_seqlens_q is None:
             raise ValueError("prepare_packed_loss_input needs cu_seqlens_q or a layout")

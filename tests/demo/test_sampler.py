@@ -99,3 +99,30 @@ def test_the_wrong_prompt_shape_is_refused():
     cfg, _, sampler, prompts, _ = _sampled("compile.enabled=false")
     with pytest.raises(ValueError, match=r"Sampler takes 12 prompts of width 6, got \(6, 6\)"):
         sampler(prompts.rows(slice(0, 6)), torch.rand(6, response_width(cfg.data)))
+
+
+def test_non_finite_rows_draw_inside_the_vocabulary_with_a_nan_logprob():
+    """searchsorted over a NaN cdf answers V (one past the vocabulary): the draw stays inside it."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [float("nan")] * 4, [float("inf"), 1.0, 2.0, 3.0],
+                           [float("-inf")] * 4])
+    for top_k in (None, 2):
+        tokens, logprobs, _ = _pick(logits, torch.full((4,), 0.2), temperature=1.0, top_k=top_k, top_p=1.0,
+                                    alive=torch.ones(4, dtype=torch.bool))
+        assert tokens.tolist() == [2, 3, 3, 3]
+        assert logprobs[0].isfinite() and logprobs[1:].isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_diverged_policy_is_refused_naming_the_step(backend):
+    compile_ = ["compile.enabled=false"] if backend == "eager" else [f"compile.backend={backend}"]
+    cfg = compose_config(*SMALL, *compile_)
+    model = TinyLM(cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    rows = cfg.data.prompts * cfg.data.group_size
+    prompts = task_prompts(cfg.data, cfg.model.vocab_size, random.Random(0), cfg.data.prompts).repeat(cfg.data.group_size)
+    with pytest.raises(FloatingPointError) as error:
+        Sampler(cfg, model, rows)(prompts, sampling_uniforms(0, 7, rows, response_width(cfg.data)), step=7)
+    assert str(error.value) == ("Sampler (step 7): the policy's logits for row 0 at response slot 0 are not finite "
+                                "(NaN or inf): the policy has diverged, there is no distribution to sample from")

@@ -54,7 +54,8 @@ def test_bad_shapes_and_dtypes_are_named():
     assert message(validate_batch, {**data, "reward_shift": torch.zeros(3)}, vocab_size=16) == (
         "ValueError: data['reward_shift'] must have shape [B] = (2,), got (3,)")
     assert message(validate_batch, {**data, "opd_full_teacher_payload": torch.zeros(2, 4, 16)}, vocab_size=16) == (
-        "ValueError: data['opd_full_teacher_payload'] must have shape [B, S, k] with [B, S] = (2, 5), got (2, 4, 16)")
+        "ValueError: data['opd_full_teacher_payload'] must have shape [B, S, D] with [B, S] = (2, 5) (one entry per "
+        "position of data['input_ids']), got (2, 4, 16)")
     assert message(validate_batch, {**data, "opd_full_teacher_index": torch.zeros(2)}, vocab_size=16) == (
         "TypeError: data['opd_full_teacher_index'] must be an integer tensor, got torch.float32")
 

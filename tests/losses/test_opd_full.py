@@ -1,8 +1,10 @@
 """Full-vocabulary on-policy distillation (`ClippedPGLossFn(opd_full=…)`, OPD_FULL inputs):
 the reverse KL, its diagnostics, the sampled reference KL and the metrics against float64
 formulas written here; hidden-state payloads routed per teacher; the config rules; the
-pre-packed and `cp_sharder` keywords. Packing equality and compile hygiene run through
-`tests/cases.py` (`opd_full_*` cases), TP/CP through `tests/parallel/test_parity.py`."""
+pre-packed and `cp_sharder` keywords; a payload short of the batch refused under context
+parallelism (every path single-process: `tests/inputs/test_prepare_checks.py`). Packing
+equality and compile hygiene run through `tests/cases.py` (`opd_full_*` cases), TP/CP
+through `tests/parallel/test_parity.py`."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from ranks import run_on_ranks
 
 from compiled_loss.checks import ConfigError
 from compiled_loss.interfaces import LossInputType, MetricNormalizer
@@ -210,3 +214,18 @@ def test_pre_packed_batch_is_one_row():
     packed, _ = prepare_packed_loss_input(logits, data, loss_fn, None)
     want = logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
     torch.testing.assert_close(packed["next_token_logprobs"], want[None])
+
+
+def _short_payload_under_context_parallelism(rank: int, world: int):
+    data, _ = _batch()
+    data[OPD_FULL_TEACHER_PAYLOAD_FIELD] = data[OPD_FULL_TEACHER_PAYLOAD_FIELD][:, : S - 1]
+    logits = torch.randn(B, 4, V)  # S_local = 4: 2 ranks hold 8 positions, room to zero-pad the payload's 6
+    return prepare_loss_input(logits, data, ClippedPGLossFn(OPD, opd_full={}), context_parallel_group=dist.group.WORLD)
+
+
+def test_a_payload_short_of_the_batch_is_refused_under_context_parallelism():
+    """Every rank, before any collective: the payload must cover the batch's S positions (not
+    only the S_local · cp the ranks hold)."""
+    assert run_on_ranks(_short_payload_under_context_parallelism, timeout=60) == [
+        "ValueError: prepare_loss_input: data['opd_full_teacher_payload'] must have shape [B, S, D] with [B, S] = "
+        "(3, 7) (one entry per position of data['input_ids']), got (3, 6, 11)"] * 2
