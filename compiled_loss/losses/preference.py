@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from compiled_loss.checks import check_fields, require
+from compiled_loss.checks import check_factor, check_fields, require
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
@@ -96,19 +96,24 @@ def _preference_loss(
     rewards: Tensor, sample_mask: Tensor, global_valid_seqs: Tensor | None, beta: float = 1.0
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Bradley–Terry loss over interleaved (chosen, rejected) rows (ref §4.3), with its
-    accuracy / reward metrics and `num_valid_samples` (pairs)."""
+    accuracy / reward metrics and `num_valid_samples` (pairs).
+
+    A pair enters the loss and the accuracy with its chosen row's sample mask (ref §4.3)
+    when its rejected row's is non-zero, and not at all otherwise (the reference would
+    compare the chosen reward with the masked row's); each reward mean reads its own rows
+    under their own mask, as the reference's do. So a masked row reaches no loss, metric or
+    gradient."""
     chosen, rejected = rewards[::2], rewards[1::2]
     sm_chosen, sm_rejected = sample_mask[::2], sample_mask[1::2]
-    (rejected_own,) = zero_outside(sm_rejected, rejected)  # its own mean reads its own mask
-    chosen, rejected = zero_outside(sm_chosen, chosen, rejected)  # a pair counts by its chosen row
+    sm_pair = torch.where(sm_rejected > 0, sm_chosen, 0.0)
+    (chosen_own,), (rejected_own,) = zero_outside(sm_chosen, chosen), zero_outside(sm_rejected, rejected)
+    chosen, rejected = zero_outside(sm_pair, chosen, rejected)
     g_pairs = _pairs(global_valid_seqs)
-    per_pair = -F.logsigmoid(beta * (chosen - rejected)) * sm_chosen
-    loss = masked_mean(per_pair, sm_chosen, global_normalization_factor=g_pairs)
+    per_pair = -F.logsigmoid(beta * (chosen - rejected)) * sm_pair
+    loss = masked_mean(per_pair, sm_pair, global_normalization_factor=g_pairs)
     return loss, {
-        "accuracy": masked_mean(
-            (chosen > rejected).to(rewards.dtype), sm_chosen, global_normalization_factor=g_pairs
-        ),
-        "rewards_chosen_mean": masked_mean(chosen.detach(), sm_chosen, global_normalization_factor=g_pairs),
+        "accuracy": masked_mean((chosen > rejected).to(rewards.dtype), sm_pair, global_normalization_factor=g_pairs),
+        "rewards_chosen_mean": masked_mean(chosen_own.detach(), sm_chosen, global_normalization_factor=g_pairs),
         "rewards_rejected_mean": masked_mean(
             rejected_own.detach(), sm_rejected, global_normalization_factor=g_pairs
         ),
@@ -157,10 +162,12 @@ class PreferenceLossFn:
         return loss, {"loss": loss.detach(), **metrics}
 
 
-def _require_non_negative(cfg: object, *names: str) -> None:
+def _require_weights(cfg: object, *names: str) -> None:
+    """Each field named is >= 0 and a factor of the loss's gradient (`check_factor`)."""
     for name in names:
         value = getattr(cfg, name)
         require(value >= 0, f"{name} must be finite and >= 0, got {value}")
+        check_factor(name, value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,11 +175,11 @@ class DPOLossConfig:
     """Configuration of `DPOLossFn` (ref §4.4; defaults are the reference's)."""
 
     reference_policy_kl_penalty: float = 0.05
-    """β: scale of the implicit reward log π/π_ref; finite and >= 0."""
+    """β: scale of the implicit reward log π/π_ref; 0 or in [1e-6, 1e6] (it scales the gradient, `FACTOR_MAX`)."""
     preference_loss_weight: float = 1.0
-    """Weight of the preference (Bradley–Terry) term; >= 0."""
+    """Weight of the preference (Bradley–Terry) term; 0 or in [1e-6, 1e6]."""
     sft_loss_weight: float = 0.0
-    """Weight of the NLL on chosen responses; >= 0 (0 disables)."""
+    """Weight of the NLL on chosen responses; 0 (disabled) or in [1e-6, 1e6]."""
     preference_average_log_probs: bool = False
     """Average the implicit reward over the response tokens instead of summing."""
     sft_average_log_probs: bool = False
@@ -180,7 +187,7 @@ class DPOLossConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        _require_non_negative(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight")
+        _require_weights(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight")
 
 
 def _pair_logratios(lp: Tensor, data: Mapping[str, Tensor], who: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -274,13 +281,14 @@ class MPOLossConfig:
     """Configuration of `MPOLossFn` (the newer reference's keys and defaults, ref §4.4)."""
 
     reference_policy_kl_penalty: float = 0.05
-    """β: scale of the implicit reward log π/π_ref in the preference and BCO terms; finite and >= 0."""
+    """β: scale of the implicit reward log π/π_ref in the preference and BCO terms; 0 or in [1e-6, 1e6] (it
+    scales the gradient, `FACTOR_MAX`)."""
     preference_loss_weight: float = 1.0
-    """Weight of the preference (Bradley–Terry) term; >= 0."""
+    """Weight of the preference (Bradley–Terry) term; 0 or in [1e-6, 1e6]."""
     sft_loss_weight: float = 0.0
-    """Weight of the NLL on chosen responses; >= 0 (0 disables)."""
+    """Weight of the NLL on chosen responses; 0 (disabled) or in [1e-6, 1e6]."""
     bco_loss_weight: float = 1.0
-    """Weight of the BCO quality term; >= 0."""
+    """Weight of the BCO quality term; 0 or in [1e-6, 1e6]."""
     preference_average_log_probs: bool = False
     """Average the preference term's implicit reward over the response tokens instead of summing."""
     sft_average_log_probs: bool = False
@@ -294,8 +302,8 @@ class MPOLossConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        _require_non_negative(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight",
-                              "bco_loss_weight")
+        _require_weights(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight",
+                         "bco_loss_weight")
         m = self.reward_shift_momentum
         require(0.0 <= m < 1.0, f"reward_shift_momentum must be in [0, 1), got {m}")
 

@@ -27,7 +27,8 @@ CFG = dict(reference_policy_kl_penalty=0.3, preference_loss_weight=0.7, sft_loss
 
 def _batch(rows: int = 4, width: int = 6, seed: int = 0) -> tuple[torch.Tensor, dict]:
     """`[B, S-1]` float64 log-probs (a leaf) and DPO data with a reward shift; the last pair's
-    rejected row is masked out by sample_mask, and token masks vary by row."""
+    rejected row is masked out by sample_mask (the pair drops out of the preference terms),
+    and token masks vary by row."""
     g = torch.Generator().manual_seed(seed)
     token_mask = torch.zeros(rows, width, dtype=F64)
     for b in range(rows):
@@ -63,8 +64,9 @@ def _expected(lp, data, cfg: dict, average=(False, False, False)):
     gp = sm.sum() / 2 + 1e-8
     c, j = slice(0, None, 2), slice(1, None, 2)
     smc, smr = sm[c], sm[j]
+    smp = torch.where(smr > 0, smc, 0.0)  # a pair counts by its chosen row when its rejected row is in
     margin = beta * (r[c] - r[j])
-    pref = (-torch.nn.functional.logsigmoid(margin) * smc * smc).sum() / gp
+    pref = (-torch.nn.functional.logsigmoid(margin) * smp * smp).sum() / gp
     sft = (nll[c] * smc).sum() / gp
     bco_c = -torch.nn.functional.logsigmoid(q[c] - delta[c]) * smc * smc
     bco_r = -torch.nn.functional.logsigmoid(-(q[j] - delta[j])) * smr * smr
@@ -72,7 +74,7 @@ def _expected(lp, data, cfg: dict, average=(False, False, False)):
     loss = w_pref * pref + w_sft * sft + w_bco * bco
     metrics = {
         "loss": loss, "sft_loss": sft, "preference_loss": pref, "bco_loss": bco,
-        "accuracy": ((r[c] > r[j]).to(F64) * smc).sum() / gp,
+        "accuracy": ((r[c] > r[j]).to(F64) * smp).sum() / gp,
         "rewards_chosen_mean": (r[c] * smc).sum() / gp,
         "rewards_rejected_mean": (r[j] * smr).sum() / gp,
         "bco_rewards_chosen_mean": (q[c] * smc).sum() / gp,
@@ -83,7 +85,7 @@ def _expected(lp, data, cfg: dict, average=(False, False, False)):
     }
     # the gradient per token: d/dr of each row's terms, times dr/dlp = tm (/ n_tok)
     d_r, d_q, d_nll = torch.zeros_like(r), torch.zeros_like(r), torch.zeros_like(r)
-    s = torch.sigmoid(-margin) * smc * smc / gp  # -d logσ(m)/dm
+    s = torch.sigmoid(-margin) * smp * smp / gp  # -d logσ(m)/dm
     d_r[c], d_r[j] = -beta * s * w_pref, beta * s * w_pref
     d_q[c] = -torch.sigmoid(-(q[c] - delta[c])) * smc * smc / gp * w_bco
     d_q[j] = torch.sigmoid(q[j] - delta[j]) * smr * smr / gp * w_bco

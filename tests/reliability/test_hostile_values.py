@@ -78,23 +78,18 @@ def masked_positions(family: str, key: str, data: dict, packing) -> torch.Tensor
     return out
 
 
-def masked_rows(family: str, sample_mask: torch.Tensor) -> torch.Tensor:
-    """bool `[B]`: rows no value of which reaches a loss or metric — sample_mask 0; for DPO
-    (ref §4.3–4.4) a chosen row with sample_mask 0, and a rejected row when both it and its
-    chosen row have sample_mask 0 (the pair's terms read the chosen mask,
-    `rewards_rejected_mean` the rejected row's own)."""
-    off = sample_mask == 0
-    if family == "dpo":
-        chosen_off = off[::2].repeat_interleave(2)
-        return chosen_off & off
-    return off
+def masked_rows(sample_mask: torch.Tensor) -> torch.Tensor:
+    """bool `[B]`: rows no value of which reaches a loss or metric — sample_mask 0, for DPO
+    too (a pair with a masked row drops out of the pair's terms; each reward mean reads its
+    rows under their own mask)."""
+    return sample_mask == 0
 
 
 def masked_logit_slots(family: str, data: dict, packing, tokens: int) -> torch.Tensor:
     """bool `[tokens]`: real slots whose logits feed only masked positions — the next-token
     position t (mask column t + 1) is masked, or the row is; value heads: column t itself."""
     tm = data["token_mask"]
-    rows_off = masked_rows(family, data["sample_mask"])
+    rows_off = masked_rows(data["sample_mask"])
     out = torch.zeros(tokens, dtype=torch.bool)
     cup = packing.cu_padded
     for i in range(packing.rows):
@@ -147,12 +142,12 @@ def inject(site: str, family: str, value_index: int, packing, logits: torch.Tens
         for key in FLOAT_KEYS:
             count += _set(data[key], masked_positions(family, key, data, packing), value)
     elif site == "data_sample_mask_zero_rows":
-        zero = masked_rows(family, data["sample_mask"])
+        zero = masked_rows(data["sample_mask"])
         for key in FLOAT_KEYS:
             count += _set(data[key], zero[:, None].expand(rows, width), value)
     elif site == "teacher_masked_positions":
         where = masked_positions(family, "teacher_topk_logits", data, packing)
-        where |= masked_rows(family, data["sample_mask"])[:, None]
+        where |= masked_rows(data["sample_mask"])[:, None]
         count += _set(data["teacher_topk_logits"], where, value)
     else:
         raise AssertionError(site)
@@ -241,7 +236,7 @@ def inject_inside(family: str, rnd: random.Random, packing, logits: torch.Tensor
                 if tm[i, t] * sm[i] > 0:
                     evaluated_slots.append(cup[i] + t)
                     data_spots += [(k, i, t) for k in READ_KEYS[family]]
-            elif t + 1 < n and tm[i, t + 1] > 0 and (sm[i] > 0 or family == "dpo"):
+            elif t + 1 < n and tm[i, t + 1] > 0 and sm[i] > 0:
                 evaluated_slots.append(cup[i] + t)
                 data_spots += [(k, i, t + 1 - shift) for k in READ_KEYS[family]
                                for shift in [1 if (k == "teacher_topk_logits" or family == "dpo") else 0]]
