@@ -4,7 +4,8 @@ The embedded default warm-starts the tiny LM with NLL on correct responses, then
 with GRPO on its own samples of the synthetic progression task, with fused packing,
 compiled by Inductor. Every choice is an override, e.g.
 `python -m compiled_loss.run loss=dpo packing=none compile.backend=aot_eager run.steps=5`;
-`-m` sweeps: `python -m compiled_loss.run -m loss=clipped_pg,dpo packing=none,fused`.
+`-m` sweeps: `python -m compiled_loss.run -m loss=clipped_pg,dpo packing=none,fused` (the jobs run one
+after the other in this process, each from a clean Dynamo state).
 Writes `metrics.jsonl` (one line per step), `summary.json` and `curves.png` (with
 matplotlib) into Hydra's run directory.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -25,6 +27,9 @@ from compiled_loss.demo.loop import train
 @hydra.main(version_base="1.3", config_path="pkg://compiled_loss.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     config = load_config(cfg)  # every config error surfaces here, before a model is built
+    # The jobs of a sweep share this process: without a reset, each job's compiled variants of the
+    # same functions add up until Dynamo's recompile limit, a hard failure under fullgraph=True.
+    torch._dynamo.reset()
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     summary = train(config, output_dir)
     if summary["parallel"]["rank"] != 0:

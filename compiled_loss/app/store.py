@@ -7,18 +7,24 @@ outside the config groups, so `--help` lists only the real options; each YAML op
 `conf/<group>/` names its schema first (`- /schema_packing@_here_`), so Hydra type-checks
 it. `load_config` rejects, before anything is built: unknown keys (including Hydra's
 silently accepted `+key=` additions), invalid values and impossible combinations — each
-message names the key.
+message names the key — and, beyond what `Config` checks, what only the application knows:
+a run whose largest allocations exceed this machine's memory, and a seed and step count
+that overflow the sampler's generator seed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 
+import torch
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from compiled_loss.checks import ConfigError, require
 from compiled_loss.config import (
     DRAFT_KINDS,
     LOSS_KINDS,
@@ -31,7 +37,14 @@ from compiled_loss.config import (
     PackingConfig,
     ParallelConfig,
     RunConfig,
+    build_draft_runtime,
+    loss_family,
 )
+from compiled_loss.config.drafts import size_keys
+from compiled_loss.config.groups import PackingMode
+from compiled_loss.demo.model import TinyLM
+from compiled_loss.demo.sampler import sampling_uniforms
+from compiled_loss.packing import round_to_bucket
 
 GROUP_SCHEMAS: dict[str, type] = {
     "packing": PackingConfig,
@@ -76,10 +89,138 @@ def _strict(cfg: DictConfig) -> None:
         raise ValueError(f"unknown top-level keys {extra}; valid: {top}")
 
 
+_GIB = 2**30
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory (the run keeps its models and batches in host memory)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _parameters(build: Callable[[int], torch.nn.Module], layers: int, keys: str) -> tuple[int, int]:
+    """(all, trainable) parameters of `build(layers)`, counted on the meta device from builds
+    with one and two layers (the layers are alike): no memory and no time, whatever the sizes
+    (`keys`: what sizes them, for the error when a weight has more elements than an int64 counts)."""
+    try:
+        with torch.device("meta"):
+            built = (build(1), build(min(layers, 2)))
+    except RuntimeError as e:
+        raise ConfigError(f"{keys}: a weight would have more elements than an int64 counts ({e})") from None
+    (all_1, trained_1), (all_2, trained_2) = [
+        (sum(p.numel() for p in m.parameters()), sum(p.numel() for p in m.parameters() if p.requires_grad))
+        for m in built
+    ]
+    return all_1 + (layers - 1) * (all_2 - all_1), trained_1 + (layers - 1) * (trained_2 - trained_1)
+
+
+def allocations(config: Config) -> list[tuple[str, int]]:
+    """The run's largest allocations, each (what, with the keys that size it; bytes): a lower
+    bound of its peak memory."""
+    model, draft, family = config.model, config.draft, loss_family(config.loss)
+    size = getattr(torch, model.dtype).itemsize
+    model_keys = "model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions"
+    params, _ = _parameters(
+        lambda n: TinyLM(dataclasses.replace(model, num_layers=n), value_head=family == "value"),
+        model.num_layers,
+        model_keys,
+    )
+    copies = 7 + (family in ("distillation", "opd_full"))  # the policy, its gradient, the KL reference,
+    # two AdamW (the warm start's, the loss's) × two moments, and a teacher
+    found = [
+        (
+            f"the policy's weights, gradients, reference and AdamW moments ({params:,} parameters of {model_keys} "
+            f"× {copies})",
+            params * copies * size,
+        )
+    ]
+    rows, tokens, _ = config.longest_micro_batch()
+    grid = config.packing.grid()
+    rows = round_to_bucket(rows, grid.rows, grid.per_octave)
+    width = round_to_bucket(config.data.max_length(), grid.width, grid.per_octave)
+    found.append(
+        (
+            f"the longest micro-batch's token ids ({rows} × {width} int64: its rows rounded up to packing.rows, "
+            "its longest sequence to packing.width)",
+            rows * width * 8,
+        )
+    )
+    if config.packing.mode == PackingMode.none:
+        slots, mask, shape = rows * width, rows * width * width, f"{rows} × {width}² bools"
+    else:
+        slots = round_to_bucket(tokens, grid.tokens, grid.per_octave)
+        mask, shape = slots * slots, f"1 × {slots}² bools: its tokens rounded up to packing.tokens"
+    found.append((f"the longest micro-batch's attention mask ({shape})", mask))
+    if not config.logprob.fused_linear:
+        found.append(
+            (
+                f"the longest micro-batch's float32 logits ({slots} slots × model.vocab_size)",
+                slots * model.vocab_size * 4,
+            )
+        )
+    if draft.name != "none":
+        layers = getattr(draft, "num_layers", None)
+        keys = size_keys(draft)
+        _, trained = _parameters(
+            lambda n: build_draft_runtime(draft if layers is None else dataclasses.replace(draft, num_layers=n), model),
+            layers or 1,
+            keys,
+        )
+        found.append(
+            (
+                f"the drafter's weights, gradients and AdamW moments ({trained:,} parameters of {keys} × 6)",
+                trained * 6 * size,
+            )
+        )
+        vocab = draft.draft_vocab_size or model.vocab_size
+        if draft.name == "eagle3":
+            found.append(
+                (
+                    f"the drafter's float32 logits (draft.ttt_steps × {slots} slots × {vocab})",
+                    draft.ttt_steps * slots * vocab * 4,
+                )
+            )
+        else:
+            found.append(
+                (
+                    f"the drafter's float32 logits (draft.num_anchors × draft.block_size × {vocab})",
+                    draft.num_anchors * draft.block_size * vocab * 4,
+                )
+            )
+    return found
+
+
+def check_run(config: Config) -> None:
+    """What `Config` cannot check: the run's largest allocations (`allocations`) against this
+    machine's memory — the bound of every size no data-derived bound covers: the model's and
+    the drafter's widths and depths, the batch, the bucket grid — and `run.seed` with the step
+    count against the sampler's 64-bit generator seed (tried at the first and the last step)."""
+    found = allocations(config)
+    need, have = sum(b for _, b in found), memory_bytes()
+    _, _, batch_keys = config.longest_micro_batch()
+    require(
+        need <= have,
+        f"the run needs at least {need / _GIB:.3g} GiB of memory, this machine has {have / _GIB:.3g} GiB: "
+        + "; ".join(f"{what}: {b / _GIB:.3g} GiB" for what, b in sorted(found, key=lambda f: -f[1]))
+        + f" (the longest micro-batch: {batch_keys})",
+    )
+    run = config.run
+    for step in (1, run.sft_steps + run.steps):
+        try:
+            sampling_uniforms(run.seed, step, 1, 1)
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(
+                f"run.seed={run.seed} overflows the sampler's generator seed at step {step} of run.sft_steps + "
+                f"run.steps ({e}): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits"
+            ) from None
+
+
 def load_config(cfg: DictConfig) -> Config:
-    """Composed Hydra config → validated, typed `Config` (raises ValueError naming the key)."""
+    """Composed Hydra config → validated, typed `Config` (raises ValueError naming the key),
+    checked against this machine's memory and the sampler's seed range (`check_run`)."""
     _strict(cfg)
-    return OmegaConf.to_object(cfg)
+    config = OmegaConf.to_object(cfg)
+    check_run(config)
+    return config
 
 
 def compose_config(*overrides: str) -> Config:

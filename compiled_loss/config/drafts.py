@@ -4,11 +4,12 @@ runtime's config dataclass (every field of it is a key, `compiled_loss.config.op
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from compiled_loss.checks import ConfigError
+from compiled_loss.checks import ConfigError, require
 from compiled_loss.config.groups import ModelConfig
 from compiled_loss.config.options import option_class, option_values
 from compiled_loss.draft import DraftRuntimeBase
@@ -46,7 +47,8 @@ def draft_vocab_map(config: Any, model: ModelConfig) -> torch.Tensor | None:
     policy's (which hold the task's tokens when `draft_vocab_size >= data.vocab_needed()`),
     as a d2t map; None when the drafter predicts the whole vocabulary."""
     size = config.draft_vocab_size
-    return None if size is None or size == model.vocab_size else torch.zeros(size, dtype=torch.long)
+    # on the host even under a meta default device (`check_draft`): the builder reads the map
+    return None if size is None or size == model.vocab_size else torch.zeros(size, dtype=torch.long, device="cpu")
 
 
 def build_draft_runtime(
@@ -67,6 +69,35 @@ def build_draft_runtime(
 
 
 def check_draft(option: Any, model: ModelConfig) -> None:
-    """Every check the runtime's builder makes (it builds the drafter of the embedded model,
-    a few MB, and drops it)."""
-    build_draft_runtime(option, model)
+    """Every check of the option's runtime config and of the builder against the embedded
+    policy `model`: the builder builds the drafter on the meta device (no memory, whatever the
+    sizes) with one decoder layer — they are alike, and no check reads their count, which only
+    costs time to build — and drops it."""
+    config = draft_config(option)
+    require(
+        config.draft_vocab_size is None or config.draft_vocab_size <= model.vocab_size,
+        f"draft.draft_vocab_size={config.draft_vocab_size} exceeds model.vocab_size={model.vocab_size}: the draft "
+        "vocabulary is a subset of the policy's",
+    )
+    require(
+        not isinstance(config, Eagle3Config) or config.hidden_size in (None, model.hidden_size),
+        f"draft.hidden_size={config.hidden_size} must be null or model.hidden_size={model.hidden_size}: the EAGLE-3 "
+        "drafter takes the policy's token embedding (frozen)",
+    )
+    if getattr(option, "num_layers", 1) > 1:
+        option = dataclasses.replace(option, num_layers=1)
+    try:
+        with torch.device("meta"):
+            build_draft_runtime(option, model)
+    except RuntimeError as e:  # a weight of more elements than an int64 counts
+        message = f"{size_keys(option)}: a weight would have more elements than an int64 counts ({e})"
+        raise ConfigError(message) from None
+
+
+def size_keys(option: Any) -> str:
+    """The keys of a draft option that size the drafter's weights."""
+    return ", ".join(
+        f"draft.{k}"
+        for k in ("hidden_size", "intermediate_size", "num_layers", "draft_vocab_size")
+        if hasattr(option, k)
+    )

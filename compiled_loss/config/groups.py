@@ -9,7 +9,7 @@ import enum
 
 import torch
 
-from compiled_loss.checks import ConfigError, check_fields, require
+from compiled_loss.checks import FLOAT32, ConfigError, check_factor, check_fields, require
 from compiled_loss.packing import BucketGrid
 from compiled_loss.vocab import TrainingSamplingParams
 
@@ -36,7 +36,8 @@ class PackingMode(enum.Enum):
 
 @dataclasses.dataclass(kw_only=True)
 class PackingConfig:
-    """How micro-batches are laid out for the model and the loss."""
+    """How micro-batches are laid out for the model and the loss. The bucket steps are bounded
+    by what the run can allocate (`compiled_loss.app.store.check_run`)."""
 
     mode: PackingMode = PackingMode.fused
     """none: padded [B, S] rows; per_sequence / fused: one packed [1, T] row per micro-batch."""
@@ -119,11 +120,13 @@ class LogprobConfig:
     top_p: float = 1.0
     """Generation-time nucleus filter in (0, 1]; 1.0 disables."""
     temperature: float = 1.0
-    """The logits are divided by it before the loss; finite and > 0."""
+    """The logits are divided by it before the loss and the sampler, in [1e-6, 1e6]: it scales the logits
+    and their gradient by 1/temperature (`compiled_loss.checks.FACTOR_MAX`)."""
     chunk_size: int | None = None
     """Rows per chunk of the vocab primitive in eager mode (None: ~4 MiB of fp32); with
-    fused_linear, rows per LM-head chunk, compiled or not (None: ~16 MiB of fp32 logits,
-    at most 16 chunks)."""
+    fused_linear, rows per LM-head chunk, compiled or not (None: ~16 MiB of fp32 logits),
+    raised to N / 16 rows where it would make more than 16 chunks (each chunk is unrolled
+    in the compiled graph; the values do not depend on the chunking)."""
     fused_linear: bool = False
     """Compute the loss from the final hidden states and the LM head, chunk by chunk,
     without the [T, V] logits (the model is called with `linear_logits=True` and returns
@@ -140,6 +143,8 @@ class LogprobConfig:
             self.sampling_params()
         except ValueError as e:
             raise ValueError(f"logprob: {e}") from None
+        check_factor("logprob.temperature", self.temperature, "the logits and their gradient are scaled by "
+                     "1/temperature")
         if self.chunk_size is not None:
             _at_least(self, "logprob", 1, "chunk_size")
 
@@ -149,17 +154,19 @@ class OptimConfig:
     """AdamW."""
 
     lr: float = 5e-4
-    """Learning rate of the loss's steps; > 0."""
+    """Learning rate of the loss's steps; > 0, lr / (1 - beta1) (AdamW's first step) a float32, and
+    lr · weight_decay < 1."""
     sft_lr: float = 3e-3
-    """Learning rate of the warm start (`run.sft_steps`, its own AdamW); > 0."""
+    """Learning rate of the warm start (`run.sft_steps`, its own AdamW); bounded as `lr`."""
     weight_decay: float = 0.0
-    """Decoupled weight decay; >= 0."""
+    """Decoupled weight decay: every weight is multiplied by 1 - lr · weight_decay per step; >= 0."""
     beta1: float = 0.9
     """First-moment decay in [0, 1)."""
     beta2: float = 0.95
     """Second-moment decay in [0, 1)."""
     grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this (> 0); None disables."""
+    """Clip the global gradient norm to this, in [1e-6, 1e6] (it scales the gradient, `FACTOR_MAX`); None
+    disables."""
 
     def __post_init__(self) -> None:
         _fields(self, "optim")
@@ -171,6 +178,20 @@ class OptimConfig:
             require(0 <= value < 1, f"optim.{name} must be in [0, 1), got {value}")
         clip = self.grad_clip
         require(clip is None or clip > 0, f"optim.grad_clip must be > 0 (or null to disable), got {clip}")
+        check_factor("optim.grad_clip", clip, "the gradient is scaled to at most this norm")
+        for name in ("lr", "sft_lr"):
+            lr = getattr(self, name)
+            require(
+                lr / (1 - self.beta1) <= FLOAT32.max,
+                f"optim.{name}={lr} with optim.beta1={self.beta1}: AdamW's first step size lr / (1 - beta1) = "
+                f"{lr / (1 - self.beta1):.3g} overflows float32",
+            )
+            require(
+                lr * self.weight_decay < 1,
+                f"optim.{name} × optim.weight_decay = {lr * self.weight_decay:.3g} must be < 1: decoupled weight "
+                "decay multiplies every weight by 1 - lr · weight_decay per step, which zeroes or flips the weights "
+                "at 1 and above",
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -184,13 +205,18 @@ class RunConfig:
     micro_batches: int = 2
     """Micro-batches per step (gradients accumulate)."""
     seed: int = 0
-    """Seed of the model init, the prompts and the sampler."""
+    """Seed of the model init, the prompts and the sampler (with the step count, it must keep the sampler's
+    generator seed in 64 bits: checked by `compiled_loss.app.store.check_run`)."""
     log_every: int = 1
-    """Print a progress line every this many steps."""
+    """Print a progress line every this many steps (<= sft_steps + steps)."""
     validate_inputs: bool = True
     """Check each batch on the host before the compiled step reads it (`validate_batch`)."""
     save_every: int = 0
-    """Write a checkpoint every this many steps (warm start included) and after the last; 0: never."""
+    """Write a checkpoint every this many steps (warm start included) and after the last; 0: never
+    (<= sft_steps + steps)."""
+    keep_last: int = 0
+    """Keep this run's newest this many checkpoints (an older one is deleted once a newer one is written); 0: all
+    (<= sft_steps + steps)."""
     resume: str | None = None
     """Continue from this checkpoint (a file `run.save_every` wrote)."""
     deterministic: bool = False
@@ -199,12 +225,23 @@ class RunConfig:
     def __post_init__(self) -> None:
         _fields(self, "run")
         _at_least(self, "run", 1, "steps", "micro_batches", "log_every")
-        _at_least(self, "run", 0, "sft_steps", "save_every")
+        _at_least(self, "run", 0, "sft_steps", "save_every", "keep_last")
+        total = self.sft_steps + self.steps
+        for name, larger in (("log_every", "prints the last step's line only"),
+                             ("save_every", "writes after the last step only"),
+                             ("keep_last", "keeps every checkpoint: a run writes at most one per step")):
+            value = getattr(self, name)
+            require(
+                value <= total,
+                f"run.{name}={value} exceeds run.sft_steps + run.steps = {total}: a larger value {larger}, as "
+                f"run.{name}={total} does",
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
-    """The embedded causal LM (random init)."""
+    """The embedded causal LM (random init). Its sizes are bounded by what the run can allocate
+    (`compiled_loss.app.store.check_run`)."""
 
     vocab_size: int = 2048
     """Vocabulary size."""
@@ -239,7 +276,9 @@ TASK_SPECIAL_TOKENS = 3  # PAD, BOS, EOS precede the task's values in the vocabu
 
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
-    """The synthetic task: continue an arithmetic progression modulo `modulus`."""
+    """The synthetic task: continue an arithmetic progression modulo `modulus`. The batch and
+    the sequences are bounded by the model (`Config`) and by what the run can allocate
+    (`compiled_loss.app.store.check_run`)."""
 
     prompts: int = 8
     """Prompts per global batch."""
@@ -258,7 +297,7 @@ class DataConfig:
     modulus: int = 64
     """Values are taken modulo this (the task vocabulary)."""
     max_stride: int = 3
-    """Largest progression stride."""
+    """Largest progression stride (<= modulus)."""
     total_terms: int = 16
     """Sampled (on-policy) rows: a correct response continues the progression until the
     sequence holds this many terms, then EOS (> prompt_terms_max)."""
@@ -279,6 +318,11 @@ class DataConfig:
             self.prompt_terms_max >= self.prompt_terms_min,
             f"data.prompt_terms_max ({self.prompt_terms_max}) must be >= data.prompt_terms_min "
             f"({self.prompt_terms_min})",
+        )
+        require(
+            self.max_stride <= self.modulus,
+            f"data.max_stride ({self.max_stride}) must be <= data.modulus ({self.modulus}): a stride d + modulus "
+            "continues a progression as the stride d does",
         )
         require(
             self.total_terms > self.prompt_terms_max,

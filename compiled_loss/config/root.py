@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from compiled_loss.checks import require
+from compiled_loss.checks import FLOAT32, require
 from compiled_loss.config.drafts import NoneDraftOption, check_draft
 from compiled_loss.config.groups import (
     CompileConfig,
@@ -18,7 +18,7 @@ from compiled_loss.config.groups import (
     ParallelConfig,
     RunConfig,
 )
-from compiled_loss.config.losses import ClippedPgLossOption, build_loss, loss_family
+from compiled_loss.config.losses import ClippedPgLossOption, MpoLossOption, build_loss, loss_family
 from compiled_loss.interfaces import LossInputType
 from compiled_loss.packing import round_to_bucket
 
@@ -72,14 +72,12 @@ class Config:
             f"run.micro_batches={self.run.micro_batches} exceeds the {units} {'pairs' if pairs else 'rows'} of a "
             f"global batch (data.prompts × {'1 pair' if pairs else 'data.group_size'})",
         )
-        longest = self.data.max_length() + self.packing.pad_to_multiple
-        data = self.data
-        response = ("data.response_max + 2" if data.response_max >= data.total_terms - data.prompt_terms_min
-                    else "data.total_terms - data.prompt_terms_min + 2")
+        length, length_keys = self.longest_sequence()
+        longest = length + self.packing.pad_to_multiple
         require(
             self.model.max_positions >= longest,
             f"model.max_positions={self.model.max_positions} is shorter than the longest padded sequence the "
-            f"data can produce ({longest}: data.prompt_terms_max + {response} + packing.pad_to_multiple)",
+            f"data can produce ({longest}: {length_keys} + packing.pad_to_multiple)",
         )
         if self.packing.mode == PackingMode.none:  # padded rows: a micro-batch's width rounds up to the bucket grid
             grid = self.packing.grid()
@@ -97,13 +95,23 @@ class Config:
             f"got {self.model.vocab_size}",
         )
         require(
-            family != "distillation" or self.data.teacher_topk <= self.model.vocab_size,
+            self.data.teacher_topk <= self.model.vocab_size,
             f"data.teacher_topk={self.data.teacher_topk} exceeds model.vocab_size={self.model.vocab_size}",
+        )
+        require(
+            logprob.top_k is None or logprob.top_k <= self.model.vocab_size,
+            f"logprob.top_k={logprob.top_k} exceeds model.vocab_size={self.model.vocab_size}: a top-k of the whole "
+            "vocabulary filters nothing (null disables the filter)",
         )
         tp, cp, dp = self.parallel.tp, self.parallel.cp, self.parallel.dp
         require(
             self.model.vocab_size % tp == 0,
             f"model.vocab_size={self.model.vocab_size} must divide evenly over parallel.tp={tp} vocabulary shards",
+        )
+        require(
+            loss.input_type != LossInputType.DISTILLATION_CROSS_TOKENIZER or (tp, cp) == (1, 1),
+            f"loss={name} reads whole student and teacher distributions: it runs at parallel.tp = parallel.cp = 1 "
+            f"(as NeMo-RL's does), got parallel.tp={tp}, parallel.cp={cp}",
         )
         require(
             self.packing.pad_to_multiple % (2 * cp) == 0,
@@ -115,15 +123,34 @@ class Config:
             f"data.prompts={self.data.prompts} must split evenly over parallel.dp={dp} replicas, each with at "
             f"least run.micro_batches={self.run.micro_batches} {'pairs' if pairs else 'rows'}",
         )
+        rows, tokens, batch_keys = self.longest_micro_batch()
+        require(
+            self.packing.per_octave <= tokens,
+            f"packing.per_octave={self.packing.per_octave} exceeds {tokens}, the tokens of the longest micro-batch "
+            f"({batch_keys}): with as many buckets per octave as the sizes it splits, the grid is the plain one "
+            "(packing.per_octave=0)",
+        )
+        if isinstance(self.loss, MpoLossOption):
+            shift = self.loss.reward_shift
+            require(
+                abs(shift) * rows <= FLOAT32.max,
+                f"loss.reward_shift={shift}: the BCO term sums about |reward_shift| per row of a micro-batch in "
+                f"float32, which overflows for the {rows} rows of the longest one ({batch_keys}); "
+                f"|loss.reward_shift| must be <= {FLOAT32.max / rows:.4g}",
+            )
+        if family == "opd_full":
+            payload = loss.opd_full.teacher_payload
+            require(
+                payload == "logits",
+                f"loss.teacher_payload={payload} needs the teacher's LM head at input preparation; the embedded run "
+                "hands the loss its teacher's logits: use loss.teacher_payload=logits",
+            )
         if self.logprob.fused_linear:
             require(
-                family != "value",
-                f"logprob.fused_linear=true computes the loss from the LM head; loss={name} trains a value head",
-            )
-            require(
-                family != "opd_full",
-                f"logprob.fused_linear=true never forms the policy's logits; loss={name} compares them with the "
-                "teacher's over the whole vocabulary",
+                loss.input_type in (LossInputType.LOGPROB, LossInputType.DISTILLATION),
+                f"logprob.fused_linear=true never forms the policy's logits; loss={name} reads "
+                f"{loss.input_type.value} inputs, which are made from them (only log-prob and distillation losses "
+                "take the final hidden states and the LM head)",
             )
             require(
                 self.draft.name == "none",
@@ -136,3 +163,49 @@ class Config:
                 f"draft={self.draft.name} reads the policy's logits; loss={name} trains a value head",
             )
             check_draft(self.draft, self.model)
+            self._check_draft_sizes(length, length_keys, tokens, batch_keys)
+
+    def _check_draft_sizes(self, length: int, length_keys: str, tokens: int, batch_keys: str) -> None:
+        """The drafter's sizes against the data: what one sequence and one micro-batch can hold."""
+        draft = self.draft
+        sequence = f"the longest sequence the data can produce holds {length} tokens ({length_keys})"
+        if draft.name == "eagle3":
+            require(
+                draft.ttt_steps <= length - 2,
+                f"draft.ttt_steps={draft.ttt_steps} exceeds {length - 2}: step k predicts the token k + 2 places "
+                f"after its slot inside one sequence, and {sequence}",
+            )
+        if draft.name == "dflash":
+            require(
+                draft.block_size <= length,
+                f"draft.block_size={draft.block_size} exceeds {length}: a block's slots lie inside one sequence, and "
+                f"{sequence}",
+            )
+            require(
+                draft.num_anchors <= tokens,
+                f"draft.num_anchors={draft.num_anchors} exceeds {tokens}, the tokens of the longest micro-batch "
+                f"({batch_keys}): anchors are positions of one micro-batch",
+            )
+
+    def longest_sequence(self) -> tuple[int, str]:
+        """The most tokens one sequence of the data holds (`DataConfig.max_length`) and the keys
+        that give it."""
+        data = self.data
+        response = ("data.response_max + 2" if data.response_max >= data.total_terms - data.prompt_terms_min
+                    else "data.total_terms - data.prompt_terms_min + 2")
+        return data.max_length(), f"data.prompt_terms_max + {response}"
+
+    def longest_micro_batch(self) -> tuple[int, int, str]:
+        """(rows, tokens, the keys that give them) of the longest micro-batch a replica runs,
+        before the bucket grid: the most rows a split of its share of the global batch over
+        `run.micro_batches` gives one micro-batch — of the sampled rows (`data.prompts ×
+        data.group_size`, the warm start's too) or of DPO's pairs — each as long as the
+        longest sequence padded to `packing.pad_to_multiple`."""
+        data, parts, multiple = self.data, self.parallel.dp * self.run.micro_batches, self.packing.pad_to_multiple
+        rows = -(-data.prompts * data.group_size // parts)
+        keys = "data.prompts × data.group_size"
+        if loss_family(self.loss) == "dpo" and 2 * -(-data.prompts // parts) > rows:
+            rows, keys = 2 * -(-data.prompts // parts), "2 × data.prompts"
+        length = -(-self.data.max_length() // multiple) * multiple
+        return rows, rows * length, (f"{rows} rows ({keys} / parallel.dp / run.micro_batches, rounded up) × {length} "
+                                     "tokens (the longest sequence padded to packing.pad_to_multiple)")

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_loss.checks import ConfigError, check_fields, require
+from compiled_loss.checks import FLOAT32, ConfigError, check_factor, check_fields, require
 from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase, aux_layers_default
 from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, dflash_projected_vocab_parallel_soft_ce
 from compiled_loss.parallel.collectives import all_reduce_sum
@@ -92,19 +92,21 @@ class DFlashConfig:
     """The DFlash block drafter and its loss (ref §11.3)."""
 
     loss_weight: float = 1.0
-    """λ: the policy loss gets `loss_weight × draft loss` (>= 0)."""
+    """λ: the policy loss gets `loss_weight × draft loss` (0 or in [1e-6, 1e6], `FACTOR_MAX`)."""
     block_size: int = 5
     """Slots per block, the anchor slot included: γ + 1 (>= 2); γ tokens are proposed."""
     num_anchors: int = 32
     """Static number of anchors (blocks) per micro-batch (>= 1)."""
     loss_decay_gamma: float = 4.0
-    """γ_decay: slot k after the anchor is weighted exp(-(k-1)/γ_decay); 0 = no decay (>= 0)."""
+    """γ_decay: slot k after the anchor is weighted exp(-(k-1)/γ_decay); 0 = no decay. Otherwise every slot's
+    weight, down to the last one's exp(-(block_size-2)/γ_decay), must be a normal float32 (>= 1.18e-38):
+    γ_decay >= max(1, block_size - 2) / 87.34."""
     ce_loss_alpha: float = 1.0
-    """Weight of the soft cross-entropy term (>= 0)."""
+    """Weight of the soft cross-entropy term (0 or in [1e-6, 1e6])."""
     l1_loss_alpha: float = 0.0
-    """Weight of the total-variation term Σ|p_draft - p_teacher| (>= 0)."""
+    """Weight of the total-variation term Σ|p_draft - p_teacher| (0 or in [1e-6, 1e6])."""
     confidence_head_alpha: float = 0.0
-    """Weight of the confidence-head BCE (>= 0); > 0 adds the confidence head."""
+    """Weight of the confidence-head BCE (0 or in [1e-6, 1e6]); > 0 adds the confidence head."""
     hidden_size: int | None = None
     """Drafter width; None = the policy's."""
     num_heads: int | None = None
@@ -125,7 +127,17 @@ class DFlashConfig:
         for name in ("loss_weight", "loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
             value = getattr(self, name)
             require(value >= 0, f"{name} must be >= 0, got {value}")
+        for name in ("loss_weight", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
+            check_factor(name, getattr(self, name), "it scales a term of the draft loss")
         require(self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}")
+        gamma, powers = self.loss_decay_gamma, max(1, self.block_size - 2)  # the decay and its largest power
+        least = powers / -math.log(FLOAT32.smallest_normal)
+        require(
+            gamma == 0 or gamma >= least,
+            f"loss_decay_gamma must be 0 or >= {least:.4g} (with block_size={self.block_size}), got {gamma}: slot k "
+            f"is weighted exp(-(k-1)/loss_decay_gamma), which underflows float32 (< {FLOAT32.smallest_normal:.3g}) "
+            "for the block's last slots below that, so they would train nothing",
+        )
         for name in ("num_anchors", "num_layers"):
             value = getattr(self, name)
             require(value >= 1, f"{name} must be >= 1, got {value}")
@@ -330,7 +342,8 @@ class DFlashDrafter(nn.Module):
         if d2t is not None:
             vocab = d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t)
             vocab.check_vocab(vocab_size)
-            in_draft = torch.zeros(vocab_size, dtype=torch.bool).index_fill(0, vocab.target_ids.cpu(), True)
+            in_draft = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")  # the host's, as the index
+            in_draft = in_draft.index_fill(0, vocab.target_ids.cpu(), True)
             self.register_buffer("d2t", vocab.d2t.detach().clone().long())
             self.register_buffer("draft_target_ids", vocab.target_ids.detach().clone(), persistent=False)
             self.register_buffer("target_in_draft", in_draft, persistent=False)

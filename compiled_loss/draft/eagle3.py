@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_loss.checks import check_fields, require
+from compiled_loss.checks import FLOAT32, check_factor, check_fields, require
 from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase, aux_layers_default
 from compiled_loss.parallel.collectives import all_reduce_sum
 from compiled_loss.vocab import DraftVocab, map_teacher_logits_to_draft_vocab, vocab_reduce
@@ -50,11 +50,12 @@ class Eagle3Config:
     """The EAGLE-3 drafter and its TTT loss (ref §11.3; unset sizes follow the policy)."""
 
     loss_weight: float = 1.0
-    """λ: the training step adds `loss_weight × draft loss` to the policy loss; >= 0."""
+    """λ: the training step adds `loss_weight × draft loss` to the policy loss; 0 or in [1e-6, 1e6] (`FACTOR_MAX`)."""
     ttt_steps: int = 3
     """Unrolled training-time-test steps (the reference's default 3); >= 1."""
     ttt_step_loss_decay: float = 0.8
-    """Weight decay^k of step k's loss, in (0, 1] (0.8: EAGLE-3's / SpecForge's step weights)."""
+    """Weight decay^k of step k's loss, in (0, 1] (0.8: EAGLE-3's / SpecForge's step weights); the last step's
+    weight decay^(ttt_steps - 1) must be a normal float32 (>= 1.18e-38), or that step's loss is multiplied by 0."""
     hidden_size: int | None = None
     """Width of the drafter (None: the policy's; must equal it when the policy's embedding is copied)."""
     num_heads: int | None = None
@@ -78,6 +79,14 @@ class Eagle3Config:
         require(self.ttt_steps >= 1, f"ttt_steps must be >= 1, got {self.ttt_steps}")
         decay = self.ttt_step_loss_decay
         require(0 < decay <= 1, f"ttt_step_loss_decay must be in (0, 1], got {decay}")
+        require(
+            decay ** (self.ttt_steps - 1) >= FLOAT32.smallest_normal,
+            f"ttt_step_loss_decay={decay} with ttt_steps={self.ttt_steps}: the last step's loss weight "
+            f"decay^{self.ttt_steps - 1} = {decay ** (self.ttt_steps - 1):.3g} underflows float32 (< "
+            f"{FLOAT32.smallest_normal:.3g}), so that step would train nothing; raise ttt_step_loss_decay or lower "
+            "ttt_steps",
+        )
+        check_factor("loss_weight", self.loss_weight, "it scales the draft loss")
         for name in ("hidden_size", "num_heads", "intermediate_size", "draft_vocab_size"):
             value = getattr(self, name)
             require(value is None or value >= 1, f"{name} must be >= 1 (or None), got {value}")

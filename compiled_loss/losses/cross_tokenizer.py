@@ -57,7 +57,9 @@ Metrics: `loss`, `kl_loss` (the aggregated KD), `ce_loss`, `kl_loss_scale`, `acc
 `kl_loss_t{i}` (its unweighted KD), `weight_t{i}` (its weight: the one-hot choice under
 `select_teacher`, the convex weight under `averaged_logits`) and under `gold_loss`
 `kl_common_t{i}`, `l1_uncommon_t{i}`; `select_teacher` adds `selected_teacher`. Teacher
-scores, weights, the choice and the dynamic scale are taken over the micro-batch.
+scores, weights, the choice and the dynamic scale are taken over the micro-batch, so
+`compiled_loss.metrics` combines `kl_loss_scale`, `weight_t{i}` and `selected_teacher` as
+means over micro-batches and replicas (the other metrics are fragments and sum).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from typing import Literal
 
 import torch
 
-from compiled_loss.checks import check_fields, check_value, require
+from compiled_loss.checks import FACTOR_MAX, check_factor, check_fields, check_value, require
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
@@ -92,7 +94,7 @@ class CrossTokenizerDistillationLossConfig:
     """Configuration of `CrossTokenizerDistillationLossFn` (ref §4.8; the reference's keys)."""
 
     teacher_weights: tuple[float, ...] = (1.0,)
-    """One weight per teacher (its count is the number of teachers), each finite and >= 0."""
+    """One weight per teacher (its count is the number of teachers), each 0 or in [1e-6, 1e6] (`FACTOR_MAX`)."""
     kd_loss_mode: Literal["sum", "averaged_logits", "select_teacher"] = "sum"
     """How the teachers' KD terms combine: weighted sum, one KD against averaged logits, or the best teacher's."""
     gold_loss: bool = False
@@ -100,17 +102,18 @@ class CrossTokenizerDistillationLossConfig:
     xtoken_loss: bool = False
     """Relax the gold loss's exact map to projection weights >= 0.6 (requires gold_loss)."""
     temperature: float = 1.0
-    """Softmax temperature of the KD term (scaled back by T²); > 0."""
+    """Softmax temperature of the KD term (scaled back by T²), in [1e-6, 1e6]: the logits are scaled by 1/T and
+    the KD term's gradient by T (`FACTOR_MAX`)."""
     kl_loss_weight: float = 1.0
-    """Weight of the KD term without dynamic_loss_scaling; >= 0."""
+    """Weight of the KD term without dynamic_loss_scaling; 0 or in [1e-6, 1e6]."""
     ce_loss_scale: float = 1.0
-    """Weight of the student's next-token CE without dynamic_loss_scaling; >= 0."""
+    """Weight of the student's next-token CE without dynamic_loss_scaling; 0 or in [1e-6, 1e6]."""
     dynamic_loss_scaling: bool = False
     """Scale the KD term to the CE's magnitude each micro-batch: sg(|ce|/|kd|)·kd + ce."""
     sum_weights_metric: Literal["ce", "entropy", "max_prob"] | None = None
     """'sum' mode: teacher weights softmax(alpha · score) from this score instead of teacher_weights."""
     alpha: float = 1.0
-    """Scale of the scores in the dynamic teacher weights; >= 0."""
+    """Scale of the scores in the dynamic teacher weights (an inverse softmax temperature), in [0, 1e6]."""
     normalize_teacher_by_vocab: bool = False
     """'sum' mode: scale each teacher's KD (and score) by log V_t / log (smallest V_t)."""
 
@@ -124,10 +127,20 @@ class CrossTokenizerDistillationLossConfig:
         for i, w in enumerate(weights):
             check_value(f"teacher_weights[{i}]", w, float)
             require(w >= 0, f"teacher_weights[{i}] must be finite and >= 0, got {w}")
+            check_factor(f"teacher_weights[{i}]", w, "it scales its teacher's KD term")
         require(self.temperature > 0, f"temperature must be finite and > 0, got {self.temperature}")
+        check_factor("temperature", self.temperature, "the logits are scaled by 1/temperature and the KD term's "
+                     "gradient by temperature")
         for name in ("kl_loss_weight", "ce_loss_scale", "alpha"):
             value = getattr(self, name)
             require(value >= 0, f"{name} must be finite and >= 0, got {value}")
+        check_factor("kl_loss_weight", self.kl_loss_weight, "it scales the KD term")
+        check_factor("ce_loss_scale", self.ce_loss_scale, "it scales the CE term")
+        require(
+            self.alpha <= FACTOR_MAX,
+            f"alpha must be <= {FACTOR_MAX:g}, got {self.alpha}: softmax(alpha · score) is one-hot for scores 1e-4 "
+            "apart already, and a larger alpha can overflow alpha · score in float32 (NaN teacher weights)",
+        )
 
     def validate(self, projections: Sequence[object | None]) -> None:
         """Cross-field checks (ref §4.8), run by the loss's constructor with its projections."""

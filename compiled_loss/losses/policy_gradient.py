@@ -10,7 +10,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from compiled_loss.checks import check_fields, check_value, require
+from compiled_loss.checks import FLOAT32, check_factor, check_fields, check_value, require
 from compiled_loss.compile import compile_loss
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
@@ -37,6 +37,8 @@ APPROX_ENTROPY_KEY = "approx_entropy"
 
 TISType = Literal["tis", "icepop", "seq-mask-tis"]
 
+_EXP_MAX = math.log(FLOAT32.max)  # the largest x whose exp is finite in float32
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClippedPGLossConfig:
@@ -55,11 +57,12 @@ class ClippedPGLossConfig:
     ratio_clip_c: float | None = None
     """Dual-clip constant c > 1 bounding the loss of negative advantages; None disables."""
     reference_policy_kl_penalty: float = 0.01
-    """β of the reference-policy KL term; finite and >= 0."""
+    """β of the reference-policy KL term: 0 or in [1e-6, 1e6] (it scales the term's gradient, `FACTOR_MAX`)."""
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator of the reference term (ref §3.1)."""
     kl_input_clamp_value: float | None = 20.0
-    """Clamp of the log-ratio before the KL estimator (> 0); None disables."""
+    """Clamp of the log-ratio before the KL estimator, in (0, log(float32 max) ≈ 88.72]: k3 exponentiates
+    it, and a larger clamp lets exp overflow to inf; None disables."""
     kl_output_clamp_value: float | None = 10.0
     """Clamp of the per-token KL (> 0); None disables."""
     use_kl_in_reward: bool = False
@@ -69,9 +72,10 @@ class ClippedPGLossConfig:
     truncated_importance_sampling_type: TISType | None = None
     """'tis' clamps, 'icepop' zeroes out-of-range token weights, 'seq-mask-tis' drops sequences."""
     truncated_importance_sampling_ratio: float | None = None
-    """Upper bound of the importance weights (> 0); a value without a type means 'tis'."""
+    """Upper bound of the importance weights, in [1e-6, 1e6] (they scale the gradient, `FACTOR_MAX`); a
+    value without a type means 'tis'."""
     truncated_importance_sampling_ratio_min: float | None = None
-    """Lower bound >= 0 (tis: default 0; required by icepop and seq-mask-tis)."""
+    """Lower bound, 0 or in [1e-6, 1e6] (tis: default 0; required by icepop and seq-mask-tis)."""
     use_on_policy_kl_approximation: bool = False
     """Weight the reference KL by π / π_gen instead of 1."""
     force_on_policy_ratio: bool = False
@@ -79,7 +83,7 @@ class ClippedPGLossConfig:
     use_cispo: bool = False
     """CISPO: clipped, detached ratio times the log-prob."""
     positive_example_nll_weight: float = 0.0
-    """VAPO μ >= 0: weight of the NLL on positive-reward responses (local denominator)."""
+    """VAPO μ: weight of the NLL on positive-reward responses (local denominator); 0 or in [1e-6, 1e6]."""
     seq_logprob_error_in_loss: bool = False
     """Drop sequences whose mean exp|lp - lp_gen| exceeds seq_logprob_error_threshold."""
     metrics_level: Literal["full", "minimal"] = "full"
@@ -101,6 +105,16 @@ class ClippedPGLossConfig:
                      "positive_example_nll_weight"):
             value = getattr(self, name)
             require(value is None or value >= 0, f"{name} must be >= 0, got {value}")
+        clamp = self.kl_input_clamp_value
+        require(
+            clamp is None or clamp <= _EXP_MAX,
+            f"kl_input_clamp_value must be <= log(float32 max) = {_EXP_MAX:.4f}, got {clamp}: the k3 estimator "
+            "exponentiates the clamped log-ratio, and exp of a larger value overflows float32 to inf",
+        )
+        check_factor("reference_policy_kl_penalty", beta, "it scales the reference KL term")
+        check_factor("positive_example_nll_weight", self.positive_example_nll_weight, "it scales the NLL term")
+        for name in ("truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min"):
+            check_factor(name, getattr(self, name), "it clamps the importance weights that scale the gradient")
 
     def validate(self, seq_logprob_error_threshold: float | None = None) -> None:
         """Cross-field checks (ref §4.1.2, §4.1.8), run by `ClippedPGLossFn`'s constructor."""
@@ -144,15 +158,16 @@ class ClippedPGLossConfig:
                 lo <= hi,
                 "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio",
             )
-        if self.seq_logprob_error_in_loss:
-            require(
-                seq_logprob_error_threshold is not None,
-                "seq_logprob_error_in_loss requires seq_logprob_error_threshold",
-            )
+        if seq_logprob_error_threshold is not None:
             check_value("seq_logprob_error_threshold", seq_logprob_error_threshold, float)
             require(
                 seq_logprob_error_threshold >= 0,
                 f"seq_logprob_error_threshold must be >= 0, got {seq_logprob_error_threshold}",
+            )
+        if self.seq_logprob_error_in_loss:
+            require(
+                seq_logprob_error_threshold is not None,
+                "seq_logprob_error_in_loss requires seq_logprob_error_threshold",
             )
             require(
                 self.force_on_policy_ratio and self.token_level_loss,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from compiled_loss.checks import check_fields, require
+from compiled_loss.checks import check_factor, check_fields, require
 from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
@@ -28,13 +28,14 @@ class MseValueLossConfig:
     """Configuration of `MseValueLossFn` (ref §4.7; defaults are the reference's)."""
 
     scale: float = 1.0
-    """Multiplies the loss (0.5 · scale · mean squared error); >= 0."""
+    """Multiplies the loss (0.5 · scale · mean squared error); 0 or in [1e-6, 1e6] (`FACTOR_MAX`)."""
     cliprange: float | None = None
     """Clip the new values to old ± cliprange (PPO value clipping); None or 0 disables."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         require(self.scale >= 0, f"scale must be >= 0, got {self.scale}")
+        check_factor("scale", self.scale)
         c = self.cliprange
         require(c is None or c >= 0, f"cliprange must be >= 0 (or None), got {c}")
 
@@ -47,6 +48,7 @@ class MseValueLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGIT
+    vocab_sharded = False  # per-position values: every tensor-parallel rank holds them whole
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cfg", as_config(self.cfg, MseValueLossConfig, "MseValueLossFn"))

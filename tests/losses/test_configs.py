@@ -112,3 +112,50 @@ def test_a_plain_dict_gets_both_kinds_of_check_at_loss_construction():
     with pytest.raises(ValueError, match="kl_type must be one of 'forward', 'reverse', 'mixed', got 'jsd'"):
         DistillationLossFn({"kl_type": "jsd"})
     assert ClippedPGLossFn({"ratio_clip_max": 0.28}).cfg.ratio_clip_max == 0.28
+
+
+BOUNDS = [
+    (ClippedPGLossConfig, dict(kl_input_clamp_value=89.0),
+     "kl_input_clamp_value must be <= log(float32 max) = 88.7228, got 89.0: the k3 estimator exponentiates the "
+     "clamped log-ratio, and exp of a larger value overflows float32 to inf"),
+    (ClippedPGLossConfig, dict(reference_policy_kl_penalty=2e6),
+     "reference_policy_kl_penalty=2000000.0 is outside [1e-06, 1e+06]: it scales the reference KL term, and float32 "
+     "squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range"),
+    (ClippedPGLossConfig, dict(truncated_importance_sampling_ratio_min=1e7),
+     "truncated_importance_sampling_ratio_min=10000000.0 is outside [1e-06, 1e+06]: it clamps the importance weights "
+     "that scale the gradient, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish "
+     "outside that range"),
+    (DPOLossConfig, dict(reference_policy_kl_penalty=1e-7),
+     "reference_policy_kl_penalty=1e-07 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares "
+     "of the gradient overflow (grad_norm inf, no update) or vanish outside that range"),
+    (MPOLossConfig, dict(reward_shift=1e39),
+     "reward_shift must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and the "
+     "model compute in), got 1e+39"),
+    (MPOLossConfig, dict(bco_loss_weight=1e-40),
+     "bco_loss_weight must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and "
+     "the model compute in), got 1e-40"),
+    (CrossTokenizerDistillationLossConfig, dict(temperature=2e6),
+     "temperature=2000000.0 is outside [1e-06, 1e+06]: the logits are scaled by 1/temperature and the KD term's "
+     "gradient by temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish "
+     "outside that range"),
+    (CrossTokenizerDistillationLossConfig, dict(teacher_weights=(1.0, 1e7)),
+     "teacher_weights[1]=10000000.0 is outside [1e-06, 1e+06]: it scales its teacher's KD term, and float32 squares of "
+     "the gradient overflow (grad_norm inf, no update) or vanish outside that range"),
+    (MseValueLossConfig, dict(scale=1e-7),
+     "scale=1e-07 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares of the gradient "
+     "overflow (grad_norm inf, no update) or vanish outside that range"),
+]
+
+
+@pytest.mark.parametrize(("cls", "fields", "message"), BOUNDS, ids=[m.split(" ")[0] for _, _, m in BOUNDS])
+def test_floats_are_bounded_in_the_dtype_they_are_used_in(cls, fields, message):
+    """float32's range, the factors of the gradient (`compiled_loss.checks.FACTOR_MAX`), exp()."""
+    with pytest.raises(ConfigError) as info:
+        cls(**fields)
+    assert str(info.value) == message
+
+
+def test_seq_logprob_error_threshold_is_checked_whenever_given():
+    with pytest.raises(ConfigError) as info:
+        ClippedPGLossFn(ClippedPGLossConfig(), seq_logprob_error_threshold=-1.0)
+    assert str(info.value) == "seq_logprob_error_threshold must be >= 0, got -1.0"

@@ -1,0 +1,50 @@
+"""A Hydra sweep (`python -m compiled_loss.run -m ...`) runs its jobs one after the other in
+one process: every job finishes, although each compiles its own variants of the same
+functions (without a Dynamo reset between jobs they add up to the recompile limit, and the
+third job fails with `FailOnRecompileLimitHit` under fullgraph=True)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from compiled_loss.app.run import main
+
+SMALL = [
+    "model.vocab_size=96",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.prompts=4",
+    "data.group_size=2",
+    "data.modulus=16",
+    "data.response_median=5",
+    "data.response_max=12",
+    "data.prompt_terms_max=5",
+    "packing.tokens=32",
+    "packing.width=24",
+    "packing.rows=4",
+    "run.micro_batches=2",
+    "compile.backend=eager",
+    "run.steps=1",
+    "run.sft_steps=1",
+]
+
+
+def test_every_job_of_a_sweep_in_one_process_finishes(tmp_path, monkeypatch):
+    """A sweep of four jobs (loss=clipped_pg,nll × packing=none,fused) at the test size, compiled
+    by Dynamo with the eager backend (the recompile limit is Dynamo's, whatever the backend)."""
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["compiled_loss.run", "-m", *SMALL, "loss=clipped_pg,nll", "packing=none,fused", f"hydra.sweep.dir={tmp_path}"],
+    )
+    main()
+    summaries = [json.loads((tmp_path / str(job) / "summary.json").read_text()) for job in range(4)]
+    assert [(s["loss"], s["packing"], s["steps"], s["compile"]) for s in summaries] == [
+        ("clipped_pg", "none", 1, "eager"),
+        ("clipped_pg", "fused", 1, "eager"),
+        ("nll", "none", 1, "eager"),
+        ("nll", "fused", 1, "eager"),
+    ]
+    assert all(s["compile_problems"] == [] for s in summaries)
