@@ -4,6 +4,9 @@ curves of one or several runs of `python -m compiled_loss.run` in one PNG.
 A RUN_DIR holds a `metrics.jsonl`; a directory without one stands for the runs in its
 subdirectories (a `-m` sweep's directory). Each run is labelled by the overrides that set
 it apart from the others (Hydra's `.hydra/overrides.yaml`), else by its directory name.
+A run still writing its last line plots without it (a line on stderr says so); a damaged
+line elsewhere stops the command, naming the file and the line. Null values (non-finite
+metrics) are gaps in the curves.
 Needs matplotlib (`pip install 'compiled_loss[plot]'`).
 """
 
@@ -49,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = run_dirs(args.run_dirs)
     try:
-        out = plot_runs([(label, read_metrics(run)) for label, run in zip(labels(runs), runs)], args.out)
+        records = [read_metrics(run) for run in runs]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    try:
+        out = plot_runs(list(zip(labels(runs), records)), args.out)
     except ImportError:
         print("matplotlib is not installed: pip install 'compiled_loss[plot]'", file=sys.stderr)
         return 1

@@ -1,59 +1,207 @@
-"""Checkpoints of the embedded training loop (`run.save_every`, `run.resume`), with torch.save.
+"""Checkpoints of the embedded training loop (`run.save_every`, `run.keep_last`, `run.resume`).
 
-A checkpoint holds what the rest of the run depends on: the global step, the policy, the
-KL reference (the warm-start weights once the warm start is over), the drafter, both
-optimizers (the warm start's and the loss's), the prompt generator's and torch's RNG
-states and the metrics of the steps so far. The sampler's randomness is a function of the
-seed and the step, so it needs no state.
+A checkpoint (one `torch.save` file) holds what the rest of the run depends on: the global
+step, the warm start's length, the policy, the KL reference (the warm-start weights once
+the warm start is over), the drafter, both optimizers (the warm start's and the loss's),
+the prompt generator's and torch's RNG states, the metrics of the steps so far, the whole
+run config (a plain dict, enums as their values) and a SHA-256 digest of all of it. The
+sampler's randomness is a function of the seed and the step, so it needs no state.
 Every rank holds the whole model, so rank 0 writes the file and every rank reads it.
+
+A file is written beside its final name, flushed to disk and renamed over it, so a kill
+leaves the previous file whole. A resume refuses, naming `run.resume`, a file it cannot
+use: missing, unreadable (empty, truncated, corrupt — the digest catches bytes that still
+unpickle), foreign (no checkpoint of this runner), or written by a run this config cannot
+continue. A resume may change only how the same steps are laid out, compiled, logged and
+saved (`RESUMABLE`) and, within the schedule, `run.steps` and `run.sft_steps`; everything
+else — the model, loss, drafter, data, sampling, optimizer and seed — must match.
 """
 
 from __future__ import annotations
 
-import random
+import dataclasses
+import enum
+import hashlib
+import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from compiled_loss.demo.loop import Run
 
-def save_checkpoint(path: Path, *, step: int, loss: str, policy: torch.nn.Module, reference: torch.nn.Module,
-                    drafter: torch.nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...],
-                    rng: random.Random, history: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({
+# Keys a resume may change (a key, or a group ending in "."): how the same steps are laid
+# out, compiled, logged and saved. Logging and saving keys resume bitwise; a changed layout
+# (packing, parallel sizes, micro-batches, log-prob chunking, the fused head) or compiler
+# reorders float sums, so the run continues to float rounding. `run.steps` and
+# `run.sft_steps` are checked against the checkpoint's step (`load_checkpoint`).
+RESUMABLE = ("compile.", "packing.", "parallel.", "run.micro_batches", "logprob.chunk_size", "logprob.fused_linear",
+             "run.deterministic", "run.validate_inputs", "run.log_every", "run.save_every", "run.keep_last",
+             "run.steps", "run.sft_steps")
+# DFlash draws a static number of anchors per replica and micro-batch, seeded by both
+# (`anchor_seed`): with it these change what a step computes
+_DFLASH_FIXED = ("parallel.dp", "run.micro_batches")
+_UNSET = "unset"  # a key one of the two configs lacks
+_KEYS = ("step", "warm_steps", "config", "policy", "reference", "drafter", "optimizers", "python_rng", "torch_rng",
+         "history", "digest")
+
+
+def _plain(value: Any) -> Any:
+    """A config as plain data (dicts, lists, strings, numbers, None): what a checkpoint stores."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"model.hidden_size": 32, …}` of a plain config."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def _digest(state: Any) -> str:
+    """SHA-256 of a checkpoint's contents: every tensor's dtype, shape and bytes and every
+    other value's type and repr, in order (a list and a tuple alike: unpickling may turn one
+    into the other)."""
+    digest = hashlib.sha256()
+
+    def feed(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            digest.update(f"tensor {value.dtype} {tuple(value.shape)};".encode())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # host
+        elif isinstance(value, dict):
+            digest.update(f"dict {len(value)};".encode())
+            for key, item in value.items():
+                feed(key)
+                feed(item)
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"list {len(value)};".encode())
+            for item in value:
+                feed(item)
+        else:
+            text = repr(value)
+            digest.update(f"{type(value).__name__} {len(text)} {text};".encode())
+
+    feed(state)
+    return digest.hexdigest()
+
+
+def save_checkpoint(directory: Path, run: Run, step: int, history: list[dict[str, Any]]) -> Path:
+    """Write `directory/step_<step>.pt` atomically (a temporary file in the same directory,
+    fsynced, then `os.replace`d over the name, then the directory fsynced); return its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step}.pt"
+    state = {
         "step": step,
-        "loss": loss,
-        "policy": policy.state_dict(),
-        "reference": reference.state_dict(),
-        "drafter": drafter.state_dict() if drafter is not None else None,
-        "optimizers": [o.state_dict() for o in optimizers],
-        "python_rng": rng.getstate(),
+        "warm_steps": run.warm_steps,
+        "config": _plain(run.cfg),
+        "policy": run.policy.state_dict(),
+        "reference": run.reference.state_dict(),
+        "drafter": run.drafter.state_dict() if run.drafter is not None else None,
+        "optimizers": [o.state_dict() for o in run.optimizers],
+        "python_rng": run.rollouts.rng.getstate(),
         "torch_rng": torch.get_rng_state(),
         "history": history,
-    }, path)
+    }
+    state["digest"] = _digest(state)
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    directory_fd = os.open(directory, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)
+    return path
 
 
-def load_checkpoint(path: str, *, loss: str, policy: torch.nn.Module, reference: torch.nn.Module,
-                    drafter: torch.nn.Module | None, optimizers: tuple[torch.optim.Optimizer, ...],
-                    rng: random.Random) -> tuple[int, list[dict[str, Any]]]:
-    """Restore a checkpoint written by `save_checkpoint` into the run's objects; return its
-    step and the metrics of the steps it covers."""
-    if not Path(path).is_file():
+def _read(path: str, device: torch.device) -> dict[str, Any]:
+    """The checkpoint at `path`, its digest verified; ValueError naming `run.resume` and what is wrong."""
+    file = Path(path)
+    if not file.is_file():
         raise ValueError(f"run.resume={path!r}: no such checkpoint file")
-    state = torch.load(path, map_location=next(policy.parameters()).device, weights_only=True)
-    if state["loss"] != loss:
-        raise ValueError(f"run.resume={path!r} was written by a loss={state['loss']} run; this run has loss={loss}")
-    if (state["drafter"] is None) != (drafter is None):
-        raise ValueError(f"run.resume={path!r} was written {'without' if state['drafter'] is None else 'with'} "
-                         "a drafter; the run's draft option differs")
-    policy.load_state_dict(state["policy"])
-    reference.load_state_dict(state["reference"])
-    if drafter is not None:
-        drafter.load_state_dict(state["drafter"])
-    for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
-        optimizer.load_state_dict(optimizer_state)
-    version, internal, gauss = state["python_rng"]
-    rng.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch_rng"])
-    return state["step"], state["history"]
+    if file.stat().st_size == 0:
+        raise ValueError(f"run.resume={path!r}: the file is empty")
+    try:
+        state = torch.load(file, map_location=device, weights_only=True)
+    except Exception as e:  # anything a damaged or foreign file makes the unpickler raise
+        raise ValueError(f"run.resume={path!r}: torch.load cannot read it (a truncated, corrupt or foreign "
+                         f"file: {type(e).__name__})") from e
+    if not isinstance(state, dict):
+        raise ValueError(f"run.resume={path!r} holds a value of type {type(state).__name__}, not a checkpoint of "
+                         "python -m compiled_loss.run")
+    missing = [key for key in _KEYS if key not in state]
+    if missing:
+        raise ValueError(f"run.resume={path!r} is not a checkpoint of python -m compiled_loss.run: it lacks the "
+                         f"keys {missing}")
+    if state.pop("digest") != _digest(state):
+        raise ValueError(f"run.resume={path!r}: its contents do not match the digest they were written with "
+                         "(a corrupt file)")
+    return state
+
+
+def _compatible(path: str, state: dict[str, Any], run: Run) -> list[str]:
+    """The config keys this run changes from the checkpoint's — all of them ones a resume may
+    change — as `key old -> new`; ValueError naming `run.resume` and the keys otherwise."""
+    old, new = _flat(state["config"]), _flat(_plain(run.cfg))
+    for group in ("loss", "draft"):  # another loss or drafter: its name says it, its fields are another schema's
+        if old.get(f"{group}.name") != new[f"{group}.name"]:
+            old = {k: v for k, v in old.items() if not k.startswith(f"{group}.") or k == f"{group}.name"}
+            new = {k: v for k, v in new.items() if not k.startswith(f"{group}.") or k == f"{group}.name"}
+    differ = sorted(k for k in (old.keys() | new.keys()) - {"run.resume"} if old.get(k, _UNSET) != new.get(k, _UNSET))
+    changes = {k: f"{k} {old.get(k, _UNSET)!r} -> {new.get(k, _UNSET)!r}" for k in differ}
+    fixed = _DFLASH_FIXED if new["draft.name"] == "dflash" else ()
+    refused = [k for k in differ if k in fixed or not any(k.startswith(r) if r.endswith(".") else k == r
+                                                          for r in RESUMABLE)]
+    if refused:
+        may = ", ".join(f"{r}*" if r.endswith(".") else r for r in RESUMABLE if r not in fixed)
+        raise ValueError(f"run.resume={path!r} was written by a run this config cannot continue: "
+                         f"{', '.join(changes[k] for k in refused)} (checkpoint -> this run); a resume may change "
+                         f"only {may}")
+    return list(changes.values())
+
+
+def load_checkpoint(path: str, run: Run) -> tuple[int, list[dict[str, Any]], list[str]]:
+    """Check a checkpoint written by `save_checkpoint` against the run (its config, its
+    schedule) and restore it into the run's objects; return its step, the metrics of the
+    steps it covers and the config changes the run makes (`key old -> new`). Any file it
+    cannot continue from is a ValueError naming `run.resume` and what is wrong."""
+    state = _read(path, next(run.policy.parameters()).device)
+    changes = _compatible(path, state, run)
+    done, warm, total = state["step"], state["warm_steps"], run.warm_steps + run.cfg.run.steps
+    if min(done, warm) != min(done, run.warm_steps):  # a step the checkpoint trained would change phase
+        need = f"run.sft_steps={warm}" if done > warm else f"run.sft_steps >= {done}"
+        raise ValueError(f"run.resume={path!r} is at step {done} of a run with a warm start of {warm} steps; "
+                         f"run.sft_steps={run.cfg.run.sft_steps} would change the phase of steps it has trained "
+                         f"(and the KL reference taken at the warm start's end): resume with {need}")
+    if done >= total:
+        raise ValueError(f"run.resume={path!r} is at step {done}; this run ends at step {total} ({run.warm_steps} "
+                         f"warm-start steps + run.steps={run.cfg.run.steps}): nothing to train — raise run.steps")
+    try:
+        run.policy.load_state_dict(state["policy"])
+        run.reference.load_state_dict(state["reference"])
+        if run.drafter is not None:
+            run.drafter.load_state_dict(state["drafter"])
+        for optimizer, optimizer_state in zip(run.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        version, internal, gauss = state["python_rng"]
+        run.rollouts.rng.setstate((version, tuple(internal), gauss))
+        torch.set_rng_state(state["torch_rng"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:  # a file of another version of this code
+        raise ValueError(f"run.resume={path!r}: its state does not fit this run's objects ({e})") from e
+    return done, state["history"], changes

@@ -9,6 +9,7 @@ overlay in one figure, one colour per run.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,30 @@ WARM_START = "sft"  # the phase name of warm-start steps in `metrics.jsonl`; the
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The per-step records of a run directory's `metrics.jsonl`."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    """The per-step records of a run directory's `metrics.jsonl`. A last line without its
+    newline that does not parse is one the run is still writing: it is skipped, with a line
+    on stderr saying so. Any other line that is not a JSON object with a `step` is a
+    ValueError naming the file and the line."""
+    file = Path(run_dir) / "metrics.jsonl"
+    # undecodable bytes become U+FFFD, so they fail as JSON on their line; the last item is
+    # what follows the last newline ("" when the file ends with one)
+    lines = file.read_text(errors="replace").split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                print(f"{file}:{number}: skipped the incomplete last line (a run still writing it, or a file cut "
+                      "short)", file=sys.stderr)
+                continue
+            raise ValueError(f"{file}:{number}: not a JSON line (column {e.colno}: {e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{file}:{number}: not a metrics record (a JSON object with an integer 'step')")
+        records.append(record)
+    return records
 
 
 def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> Path:

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +31,8 @@ from compiled_loss.demo.model import TinyLM
 from compiled_loss.demo.rollouts import Rollouts
 from compiled_loss.losses import update_reward_shift
 from compiled_loss.train import build_train_step
-from compiled_loss.train.parallel import init_parallel
+from compiled_loss.train.parallel import ParallelGroups, init_parallel
+from compiled_loss.train.step import TrainStep
 
 # the metrics shown on the per-step line, per loss family (when present)
 _KEY_METRICS = {
@@ -61,6 +63,21 @@ def _progress(step: int, total: int, width: int = 30) -> str:
     return f"[{'#' * done}{'.' * (width - done)}] {step}/{total}"
 
 
+def _finite(values: dict[str, Any], where: str, reported: set[str] | None) -> dict[str, Any]:
+    """`values` with each non-finite float as None: `metrics.jsonl` and `summary.json` hold
+    JSON, which has no NaN or infinity. The first time a key is non-finite, a warning line
+    names it and `where` (`reported`: the keys named so far; None: name none)."""
+    out = dict(values)
+    for key, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key] = None
+            if reported is not None and key not in reported:
+                reported.add(key)
+                print(f"warning: {where}: {key} is {value}, written as null (later non-finite {key} values are "
+                      "not reported)", flush=True)
+    return out
+
+
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in records if key in r]
     return sum(values) / len(values) if values else None
@@ -84,9 +101,11 @@ def deterministic(enabled: bool) -> Iterator[None]:
 
 
 def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
-    """Run the warm start and `cfg.run.steps` steps of the loss; write metrics.jsonl and
-    summary.json (rank 0; other ranks write their compile report as
-    `summary.rank<r>.json`) and checkpoints every `run.save_every` steps; return the summary.
+    """Run the warm start and `cfg.run.steps` steps of the loss (after `run.resume`'s step,
+    from that checkpoint); write metrics.jsonl and summary.json (rank 0; other ranks write
+    their compile report as `summary.rank<r>.json`; non-finite values as null, each key
+    reported once) and checkpoints every `run.save_every` steps (the newest `run.keep_last`
+    kept); return the summary.
 
     Under `torchrun` (`parallel.tp · cp · dp` processes) every rank holds the whole model —
     the LM head returns this rank's vocabulary shard — and the step replicates it with
@@ -96,8 +115,41 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
         return _train(cfg, output_dir)
 
 
-def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
-    groups = init_parallel(cfg.parallel)
+@dataclasses.dataclass
+class Run:
+    """Everything a run trains with, built once from its config (`build_run`): the models,
+    the loss object, both optimizers, both compiled steps (the warm start's NLL and the
+    loss's) and the rollouts that make their batches."""
+
+    cfg: Config
+    groups: ParallelGroups
+    family: str
+    policy: TinyLM
+    reference: TinyLM
+    drafter: Any
+    loss_fn: Any
+    teachers: list[TinyLM] | None  # cross-tokenizer distillation's teachers
+    optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer]  # the warm start's, the loss's
+    warm: TrainStep
+    step: TrainStep
+    rollouts: Rollouts
+    warm_steps: int
+
+    def batch(self, i: int, reward_shift: float | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """This replica's batch of global step `i` (1-based, warm start included) and its
+        statistics; `reward_shift`: MPO's running reward shift δ, carried in the batch."""
+        if i <= self.warm_steps:
+            return self.rollouts.warm_start(i)
+        batch, stats = self.rollouts(i)
+        if self.teachers is not None:
+            batch = cross_tokenizer.annotate(batch, self.loss_fn, self.teachers, self.cfg)
+        if reward_shift is not None:
+            batch["reward_shift"] = torch.full((batch["input_ids"].shape[0],), reward_shift)
+        return batch, stats
+
+
+def build_run(cfg: Config, groups: ParallelGroups) -> Run:
+    """The run's models (seeded by `run.seed`), loss, optimizers, steps and rollouts."""
     tp = groups.sizes[0]
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
@@ -111,37 +163,48 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
     trained = [p for m in (policy, drafter) if m is not None for p in m.parameters() if p.requires_grad]
     o = cfg.optim
-    optimizer, warm_optimizer = (torch.optim.AdamW(trained, lr=lr, betas=(o.beta1, o.beta2),
-                                                   weight_decay=o.weight_decay) for lr in (o.lr, o.sft_lr))
+    warm_optimizer, optimizer = (torch.optim.AdamW(trained, lr=lr, betas=(o.beta1, o.beta2),
+                                                   weight_decay=o.weight_decay) for lr in (o.sft_lr, o.lr))
     step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
-    warm_steps = 0 if family == "value" else cfg.run.sft_steps
     warm = build_train_step(dataclasses.replace(cfg, loss=NllLossOption()), policy, warm_optimizer, groups, drafter)
     rollouts = Rollouts(cfg, family, groups, rng, policy=policy, reference=reference, teacher=teacher)
+    return Run(cfg=cfg, groups=groups, family=family, policy=policy, reference=reference, drafter=drafter,
+               loss_fn=step.loss_fn, teachers=teachers, optimizers=(warm_optimizer, optimizer), warm=warm, step=step,
+               rollouts=rollouts, warm_steps=0 if family == "value" else cfg.run.sft_steps)
+
+
+def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
+    groups = init_parallel(cfg.parallel)
+    run = build_run(cfg, groups)
+    family, policy, reference, step, warm, rollouts = (run.family, run.policy, run.reference, run.step, run.warm,
+                                                       run.rollouts)
+    warm_steps = run.warm_steps
     total = warm_steps + cfg.run.steps
     history: list[dict[str, Any]] = []
     done = 0
+    lead = groups.rank == 0
     if cfg.run.resume is not None:
-        done, history = load_checkpoint(cfg.run.resume, loss=cfg.loss.name, policy=policy, reference=reference,
-                                        drafter=drafter, optimizers=(warm_optimizer, optimizer), rng=rng)
+        done, history, changes = load_checkpoint(cfg.run.resume, run)
+        if lead:
+            print(f"resuming at step {done} of {total} from run.resume={cfg.run.resume}; "
+                  + (f"changed since it was written: {', '.join(changes)}" if changes else "the same config"))
         # the drafter's anchor noise is seeded by each step object's count of global batches
         warm.global_batch, step.global_batch = min(done, warm_steps) - 1, max(done - warm_steps, 0) - 1
     # MPO: the driver's running mean reward δ of the BCO term (ref §4.4), carried in the metrics
     reward_shift = None if cfg.loss.name != "mpo" else next(
         (r["reward_shift"] for r in reversed(history) if "reward_shift" in r), cfg.loss.reward_shift)
-    lead = groups.rank == 0
+    reported: set[str] = set()  # the keys whose non-finite values were reported
+    saved: list[Path] = []  # the checkpoints this run wrote, oldest first
     output_dir.mkdir(parents=True, exist_ok=True)
     with open(output_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext() as log:
         for record in history if lead else ():
-            log.write(json.dumps(record) + "\n")
+            log.write(json.dumps(_finite(record, f"metrics.jsonl step {record['step']}", reported),
+                                 allow_nan=False) + "\n")
         for i in range(done + 1, total + 1):
             warming = i <= warm_steps
             if i == warm_steps + 1 and warm_steps:  # the warm-start weights become the KL reference
                 reference.load_state_dict(policy.state_dict())
-            batch, stats = rollouts.warm_start(i) if warming else rollouts(i)
-            if teachers is not None and not warming:
-                batch = cross_tokenizer.annotate(batch, loss_fn, teachers, cfg)
-            if reward_shift is not None and not warming:
-                batch["reward_shift"] = torch.full((batch["input_ids"].shape[0],), reward_shift)
+            batch, stats = run.batch(i, None if warming else reward_shift)
             result = (warm if warming else step)(batch)
             if reward_shift is not None and not warming:
                 reward_shift = update_reward_shift(reward_shift, result.metrics["bco_reward_sum"],
@@ -161,12 +224,12 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
             }
             history.append(record)
             if lead and cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):
-                save_checkpoint(output_dir / "checkpoints" / f"step_{i}.pt", step=i, loss=cfg.loss.name,
-                                policy=policy, reference=reference, drafter=drafter,
-                                optimizers=(warm_optimizer, optimizer), rng=rng, history=history)
+                saved.append(save_checkpoint(output_dir / "checkpoints", run, i, history))
+                if cfg.run.keep_last and len(saved) > cfg.run.keep_last:  # the new one is in place
+                    saved.pop(0).unlink()
             if not lead:
                 continue
-            log.write(json.dumps(record) + "\n")
+            log.write(json.dumps(_finite(record, f"metrics.jsonl step {i}", reported), allow_nan=False) + "\n")
             log.flush()
             if i % cfg.run.log_every == 0 or i == total:
                 shown_keys = (() if warming else _KEY_METRICS.get(family, ())) + _draft_metrics(cfg)
@@ -179,7 +242,8 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
                 )
     summary = _summary(cfg, history, warm_steps, step, warm, rollouts, groups.rank, output_dir)
     name = "summary.json" if lead else f"summary.rank{groups.rank}.json"
-    (output_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
+    summary = _finite(summary, name, reported if lead else None)
+    (output_dir / name).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if lead:
         print(json.dumps(summary, indent=2))
     return summary
