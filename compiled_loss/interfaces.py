@@ -43,7 +43,8 @@ class LossFunction(Protocol):
     Returns `(loss, metrics)` where `loss` is a 0-d tensor (a fragment of the global loss
     when the denominators are global) and `metrics` maps NeMo-RL's metric keys to 0-d
     tensors. Optional attributes read by input preparation: `metric_normalizations`,
-    `use_fused_linear_logprobs`, `reference_policy_kl_penalty`.
+    `use_fused_linear_logprobs`, `reference_policy_kl_penalty`; read by the training step:
+    `vocab_sharded` (see `vocab_sharded`).
     """
 
     loss_type: LossType
@@ -56,3 +57,15 @@ class LossFunction(Protocol):
         global_valid_toks: Tensor | None,
         **loss_input: Any,
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+def vocab_sharded(loss_fn: Any) -> bool:
+    """Whether `loss_fn` reads vocabulary-sharded logits under tensor parallelism (its
+    `vocab_sharded` attribute; True when it declares nothing, as every loss over logits).
+
+    This decides how its gradient is split over a tensor-parallel group. Vocabulary-sharded
+    logits — dense, or `LinearLogits` over a vocabulary shard of the LM head — give each TP
+    rank its shard's share of the gradient of whatever produced them (a partial `dH`; the
+    sum over the group is the gradient). A replicated output (a value head, False) gives
+    every TP rank the whole gradient."""
+    return bool(getattr(loss_fn, "vocab_sharded", True))

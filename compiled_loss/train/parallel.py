@@ -84,6 +84,25 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
     return ParallelGroups(tp=group("tp", cfg.tp), cp=group("cp", cfg.cp), dp=group("dp", cfg.dp))
 
 
+def gradient_scale(sizes: tuple[int, int, int], *, vocab_sharded: bool) -> int:
+    """What the step multiplies each micro-batch's loss by before its backward, so that
+    `DistributedDataParallel`'s average over all `tp · cp · dp` ranks is the single-process
+    gradient of every parameter. The one statement of how gradients add up across ranks:
+
+    - DP: each replica's loss is its rows' share of the global loss (global normalisers),
+      so the replicas' gradients sum to the gradient;
+    - CP: each rank's gradient is cp × its positions' share (the all-gather's SUM backward,
+      ref §10), so the CP ranks' gradients sum to cp × the gradient;
+    - TP: a loss over vocabulary-sharded logits (`compiled_loss.interfaces.vocab_sharded`,
+      dense or fused head) gives each rank its shard's share — they sum to the gradient; a
+      replicated output (a value head) gives every rank the whole gradient — tp × it.
+
+    The sum over all ranks is then `cp · (1 or tp)` × the gradient, and the scale turns
+    DDP's average into it: `tp · dp` for vocabulary-sharded logits, `dp` for a value head."""
+    tp, _, dp = sizes
+    return (tp if vocab_sharded else 1) * dp
+
+
 def all_reduce_host(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Host side (outside compiled code): the sum of `x` over `group` (identity without one)."""
     if group_size(group) > 1:
@@ -92,12 +111,15 @@ def all_reduce_host(x: torch.Tensor, group: Any) -> torch.Tensor:
     return x
 
 
-def combine_over(metrics: dict[str, float], group: Any) -> dict[str, float]:
-    """Host side: Python-float metrics of every rank of `group` combined through the metric
-    registry (sums; min / max for extrema)."""
-    if group_size(group) == 1:
-        return metrics
-    parts: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(parts, metrics, group=group)
+def combine_over(parts: list[dict[str, float]], group: Any) -> dict[str, float]:
+    """Host side: the metric fragments (Python floats, one dict per micro-batch) of every
+    rank of `group`, combined as one list through the metric registry
+    (`compiled_loss.metrics.combine_metrics`, in float64). Gathering the fragments, not each
+    rank's combined values, keeps a mean exact when the ranks ran different numbers of
+    micro-batches; an unregistered key fails alike on every rank, after the gather."""
+    if group_size(group) > 1:
+        gathered: list[Any] = [None] * group_size(group)
+        dist.all_gather_object(gathered, parts, group=group)
+        parts = [part for rank_parts in gathered for part in rank_parts]
     combined = combine_metrics([{k: torch.tensor(v, dtype=torch.float64) for k, v in p.items()} for p in parts])
     return {k: float(v) for k, v in combined.items()}

@@ -6,9 +6,9 @@ token ids against `model.vocab_size`), compute the global normalisers `global_va
 `run.micro_batches` micro-batches (keeping DPO pairs together), and for each build the
 bucketed layout (`PackedLayout`, or bucketed padding for `packing=none`) on the host.
 Then, per micro-batch, ONE compiled function runs the model forward and the loss wrapper;
-its backward accumulates gradients. Finally the optimizer steps and the metrics are
-combined through the registry (sums, min, max; over the data-parallel group too) and
-converted to Python floats once.
+its backward accumulates gradients. Finally the optimizer steps, and each micro-batch's
+metrics, converted to Python floats, are combined with every data-parallel replica's
+through the registry (`compiled_loss.metrics`: sum, mean, min or max per key).
 
 Use it with your own model: any `torch.nn.Module` whose
 `forward(input_ids, position_ids, segment_ids) -> logits` attends causally within a
@@ -23,8 +23,9 @@ Parallel runs (`groups`, see `compiled_loss.train.parallel`): the batch is this
 data-parallel replica's rows; the model returns every position's logits for this rank's
 vocabulary shard (`[..., V / tp]`) and the step keeps this context-parallel rank's
 positions. The step replicates the model over all ranks with `DistributedDataParallel`,
-whose averaged gradients the loss scale `tp · dp` turns into the single-process gradient;
-DDP's forward does not trace, so it runs eagerly around the compiled model
+whose averaged gradients the loss scale (`train.parallel.gradient_scale`: `tp · dp` for a
+loss over vocabulary-sharded logits, `dp` for a value head) turns into the single-process
+gradient; DDP's forward does not trace, so it runs eagerly around the compiled model
 (`CompiledModule`) and the loss compiles as a graph of its own.
 
 Co-trained drafter (`draft_runtime`): the model also returns its hidden states
@@ -60,7 +61,8 @@ from compiled_loss.draft import (
     with_draft_loss,
 )
 from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input, validate_batch
-from compiled_loss.metrics import combine_metrics, metrics_to_python, with_ratios
+from compiled_loss.interfaces import vocab_sharded
+from compiled_loss.metrics import metrics_to_python, with_ratios
 from compiled_loss.packing import (
     PackedLayout,
     pad_to_bucket,
@@ -69,10 +71,10 @@ from compiled_loss.packing import (
     wrap_loss_fn_with_input_preparation,
 )
 from compiled_loss.packing.context import ContextShards
-from compiled_loss.parallel import group_size
+from compiled_loss.parallel import check_agreement, group_size
 from compiled_loss.parallel.collectives import all_gather
 from compiled_loss.train.compile import CompiledModule, compile_loss
-from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, combine_over
+from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, combine_over, gradient_scale
 from compiled_loss.train.recorder import CompileRecorder
 from compiled_loss.vocab import per_position
 
@@ -156,9 +158,10 @@ def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
     )
 
 
-def _with_draft(loss, metrics, batch: DraftBatch, *, runtime, n_slots, tp=None):
+def _with_draft(loss, metrics, batch: DraftBatch, n_slots: int, *, runtime, tp=None):
     """The policy loss plus the drafter's (on the full vocabulary: a TP rank's teacher shard
-    is all-gathered; every TP / CP rank of a replica computes the same draft loss)."""
+    is all-gathered; every TP / CP rank of a replica computes the same draft loss), whose
+    per-micro-batch normalisation is shared by the `n_slots` micro-batches of the step."""
     if group_size(tp) > 1:
         teacher = all_gather(batch.teacher_logits, tp).movedim(0, -2).flatten(-2)
         batch = dataclasses.replace(batch, teacher_logits=teacher)
@@ -167,18 +170,18 @@ def _with_draft(loss, metrics, batch: DraftBatch, *, runtime, n_slots, tp=None):
     return loss, {**metrics, **draft_metrics}
 
 
-def _model_and_loss(model, *inputs, logits_fn, loss_fn, draft=None):
+def _model_and_loss(model, *inputs, logits_fn, loss_fn, draft=None, n_slots=None):
     """The model forward, the loss and the drafter's loss of one micro-batch: one compiled graph."""
     *layout_and_data, g_seqs, g_toks = inputs
     logits, batch = logits_fn(model, *layout_and_data)
     loss, metrics = loss_fn(logits, *layout_and_data, g_seqs, g_toks)
-    return (loss, metrics) if draft is None else draft(loss, metrics, batch)
+    return (loss, metrics) if draft is None else draft(loss, metrics, batch, n_slots)
 
 
-def _loss_and_draft(logits, batch, *inputs, loss_fn, draft):
+def _loss_and_draft(logits, batch, *inputs, loss_fn, draft, n_slots):
     """The loss and the drafter's loss of one micro-batch, the model having run apart."""
     loss, metrics = loss_fn(logits, *inputs)
-    return draft(loss, metrics, batch)
+    return draft(loss, metrics, batch, n_slots)
 
 
 def split_rows(rows: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -215,13 +218,11 @@ class TrainStep:
     ) -> None:
         self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
         self.draft_runtime, self.global_batch = draft_runtime, -1
-        tp, cp, dp = groups.sizes
+        cp = groups.sizes[1]
         capture = dict(aux_layers=draft_runtime.aux_layers) if draft_runtime is not None else {}
         capture["linear_logits"] = cfg.logprob.fused_linear
-        # DDP averages the replicas' gradients over all tp·cp·dp ranks; their sum, divided by
-        # cp (each CP rank's logit gradient is cp × its share, ref §10), is the gradient
-        self.loss_scale = tp * dp
         self.loss_fn = build_loss(cfg.loss) if loss_fn is None else loss_fn
+        self.loss_scale = gradient_scale(groups.sizes, vocab_sharded=vocab_sharded(self.loss_fn))
         self.pairs = getattr(self.loss_fn, "rows_are_pairs", False)
         self.buckets: set[tuple[int, ...]] = set()
         packing = cfg.packing
@@ -245,7 +246,7 @@ class TrainStep:
         # not trace: DDP runs eagerly around the compiled model, and the loss compiles alone
         self._model_outside = groups.rank_count > 1
         draft = None if draft_runtime is None else functools.partial(
-            _with_draft, runtime=draft_runtime, n_slots=cfg.run.micro_batches, tp=groups.tp)
+            _with_draft, runtime=draft_runtime, tp=groups.tp)
         if not self._model_outside:
             fn = functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss, draft=draft)
         else:
@@ -287,6 +288,16 @@ class TrainStep:
                 f"{type(self.loss_fn).__name__} reads (chosen, rejected) row pairs; the batch has an odd number "
                 f"of rows ({len(lengths)})"
             )
+        if not lengths:
+            raise ValueError("the batch has no rows (input_lengths is empty)")
+        # a batch of fewer rows (pairs) than run.micro_batches runs fewer micro-batches
+        ranges = split_rows(len(lengths), self.cfg.run.micro_batches, 2 if self.pairs else 1)
+        # every rank runs a collective per micro-batch (DDP's gradient all-reduce, the
+        # wrappers' TP / CP collectives), and the TP / CP ranks of a replica read the same rows
+        check_agreement("the number of micro-batches (rows of the batch split over run.micro_batches)",
+                        len(ranges), self.groups.tp, self.groups.cp, self.groups.dp)
+        check_agreement("the batch's input_lengths (the tensor / context parallel ranks of a data-parallel replica "
+                        "read the same rows)", lengths, self.groups.tp, self.groups.cp)
         sample_mask = batch["sample_mask"]
         # the global normalisers: this replica's counts summed over the DP group (ref §1.3)
         local_toks = (batch["token_mask"][:, 1:] * sample_mask[:, None]).sum()
@@ -296,7 +307,7 @@ class TrainStep:
         parts, slots = [], 0
         self.global_batch += 1
         self.optimizer.zero_grad(set_to_none=True)
-        for i, (a, b) in enumerate(split_rows(len(lengths), self.cfg.run.micro_batches, 2 if self.pairs else 1)):
+        for i, (a, b) in enumerate(ranges):
             width = max(lengths[a:b])  # trim each micro-batch to its own longest row
             micro = {  # contiguous: a view's strides follow the batch's width, and compiled code guards on them
                 k: (v[a:b, :width] if v.dim() >= 2 and v.shape[1] == full_width else v[a:b]).contiguous()
@@ -306,7 +317,7 @@ class TrainStep:
                 micro["input_lengths"] = torch.tensor(lengths[a:b], device=device)
                 seed = anchor_seed(self.groups.dp_rank, self.global_batch, i)
                 micro["anchor_noise"] = anchor_noise((b - a, width), seed, device)
-            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, device)
+            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, len(ranges), device)
             (loss * self.loss_scale).backward()
             parts.append(metrics)
             slots += micro_slots
@@ -319,11 +330,10 @@ class TrainStep:
                 step_wide["draft_grad_norm"] = torch.nn.utils.clip_grad_norm_(
                     self.draft_runtime.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
-        combined = combine_metrics(parts)  # this replica's fragments; then every replica's
         step_wide.update(global_valid_seqs=g_seqs, global_valid_toks=g_toks)  # the same on every rank
-        values = metrics_to_python({**combined, **step_wide})
-        metrics = with_ratios(combine_over({k: values[k] for k in combined}, self.groups.dp))
-        metrics.update({k: values[k] for k in step_wide})
+        # every replica's micro-batch fragments, combined as one list (a mean counts each fragment)
+        metrics = with_ratios(combine_over([metrics_to_python(p) for p in parts], self.groups.dp))
+        metrics.update(metrics_to_python(step_wide))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         tokens, slots = (int(n) for n in all_reduce_host(torch.tensor([sum(lengths), slots]), self.groups.dp))
         return StepResult(metrics, tokens, slots, time.perf_counter() - start)
@@ -341,27 +351,29 @@ class TrainStep:
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
 
-    def _micro_step(self, micro, lengths, g_seqs, g_toks, device):
+    def _micro_step(self, micro, lengths, g_seqs, g_toks, n_micro, device):
         rows = len(lengths)
         num_rows = round_to_bucket(rows, self.grid.rows, self.grid.per_octave)
         if self.cfg.packing.mode == PackingMode.none:
             data = pad_to_bucket(micro, rows, num_rows, self.grid)
             shape = tuple(data["input_ids"].shape)
             self.buckets.add(shape)
-            return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks), shape[0] * shape[1])
+            return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), shape[0] * shape[1])
         cu, cu_padded = packed_boundaries(lengths, self.cfg.packing.pad_to_multiple)
         layout = PackedLayout.build(cu, cu_padded, grid=self.grid, device=device, context_parallel_group=self.groups.cp)
         data = layout.pad_data(micro)
         self.buckets.add((layout.tokens,) + tuple(data["input_ids"].shape))
-        return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks), layout.tokens)
+        return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), layout.tokens)
 
-    def _run(self, *inputs, g_seqs, g_toks):
+    def _run(self, *inputs, g_seqs, g_toks, n_micro):
+        # the drafter's loss is shared by the micro-batches that run (a compile per distinct count)
+        draft = {} if self.draft_runtime is None else {"n_slots": n_micro}
         if self._model_outside:
             logits, batch = self._logits(self.model, *inputs)
             if batch is not None:
-                return self._compiled(logits, batch, *inputs, g_seqs, g_toks)
+                return self._compiled(logits, batch, *inputs, g_seqs, g_toks, **draft)
             return self._compiled(logits, *inputs, g_seqs, g_toks)
-        return self._compiled(self.model, *inputs, g_seqs, g_toks)
+        return self._compiled(self.model, *inputs, g_seqs, g_toks, **draft)
 
 
 def build_train_step(

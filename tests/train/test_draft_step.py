@@ -59,12 +59,14 @@ def _trainable(*modules) -> list[torch.nn.Parameter]:
     return [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
 
 
-def _one_step(draft: str, packing: str, *overrides: str):
-    """Metrics and gradients (policy, drafter) of one step on a fixed batch and init."""
+def _one_step(draft: str, packing: str, *overrides: str, rows: int | None = None):
+    """Metrics and gradients (policy, drafter) of one step on a fixed batch (its first
+    `rows` rows) and init."""
     cfg = config(draft, f"packing={packing}", "compile.enabled=false", "run.micro_batches=2", *overrides)
     policy, runtime = _models(cfg)
     step = build_train_step(cfg, policy, torch.optim.SGD(_trainable(policy, runtime), lr=0.0), draft_runtime=runtime)
     batch = sample_batch(cfg.data, cfg.model.vocab_size, random.Random(3), clean=True)
+    batch = {k: v[:rows] for k, v in batch.items()}
     result = step(batch)
     grads = [p.grad.clone() for p in policy.parameters()]
     return result.metrics, grads, [p.grad.clone() for p in _trainable(runtime)]
@@ -85,6 +87,19 @@ def test_packing_modes_agree_with_a_drafter(draft):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
         for a, b in zip(policy_grads, other_policy, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_a_batch_of_fewer_rows_than_micro_batches_normalises_by_those_that_ran(draft):
+    """One row with run.micro_batches=4 runs one micro-batch: the drafter's loss, metrics and
+    gradients are those of run.micro_batches=1 (not a quarter of them)."""
+    want, want_policy, want_draft = _one_step(draft, "fused", "run.micro_batches=1", rows=1)
+    got, got_policy, got_draft = _one_step(draft, "fused", "run.micro_batches=4", rows=1)
+    assert want["draft_loss"] > 0
+    for key in [k for k in want if k.startswith("draft_")]:
+        assert got[key] == pytest.approx(want[key], rel=1e-6, nan_ok=True), key
+    for a, b in zip(want_draft + want_policy, got_draft + got_policy, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["off", "aot_eager"])

@@ -1,0 +1,96 @@
+"""The gradient-parity grid's worker: `python grid_worker.py OUT TP CP DP [CASE ...]`, under
+`torchrun --nproc-per-node=TP·CP·DP` (or alone for the single process).
+
+For every case (a loss × head of `CASES`, or those named) it builds the runner's run
+(`compiled_loss.demo.loop.build_run`: the seeded models, the loss, the compiled step — eager
+here — and the rollouts) at these parallel sizes, takes the batch of the loss's first step
+and runs the step. Rank 0 saves, per case, the step's metrics and every policy parameter's
+gradient after the step (DDP's averaged gradient: the same on every rank), or the error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from hydra import compose, initialize_config_module
+
+from compiled_loss.app import load_config
+from compiled_loss.demo.loop import build_run
+from compiled_loss.train.parallel import init_parallel
+
+# small enough that a case takes about a second on one core
+SMALL = [
+    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
+    "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=5",
+    "data.response_max=12", "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24",
+    "packing.rows=4", "run.micro_batches=2", "compile.enabled=false", "run.sft_steps=0", "run.steps=1",
+    "optim.grad_clip=null",
+]
+LOSSES = ["clipped_pg", "gspo", "cispo", "reinforce", "opd_full", "nll", "dpo", "mpo", "distillation",
+          "cross_tokenizer", "mse_value"]
+# the fused LM head serves every loss over the policy's log-probs; opd_full and cross_tokenizer
+# read every logit, and mse_value trains a value head
+FUSED = [name for name in LOSSES if name not in ("opd_full", "cross_tokenizer", "mse_value")]
+# packing alternates between the packed and the padded layout so that both meet every size
+CASES = {
+    **{f"{name}-dense": [f"loss={name}", f"packing={'fused' if i % 2 else 'none'}"] for i, name in enumerate(LOSSES)},
+    **{f"{name}-fused_head": [f"loss={name}", "logprob.fused_linear=true",
+                              f"packing={'none' if i % 2 else 'fused'}"] for i, name in enumerate(FUSED)},
+}
+
+
+def _first_batch(run) -> dict[str, torch.Tensor]:
+    """The batch of the loss's first step, moved off its fixed point. A first step sits where every ratio is 1 and every KL 0 (the reference, the sampler and
+    the policy are one model), where a wrong ratio or KL gradient vanishes. Move off it the
+    same way on every rank: seeded noise on the reference's weights (whole on every rank),
+    and sampler / old-policy log-probs shifted by a function of each token and position (so
+    a row gets the same shift in whichever replica and layout it lands)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in run.reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    batch, _ = run.batch(1, run.cfg.loss.reward_shift if run.cfg.loss.name == "mpo" else None)
+    ids = batch["input_ids"]
+    shift = 0.3 * torch.sin(1.7 * ids + 0.3 * torch.arange(ids.shape[1])) * batch["token_mask"]
+    for key, sign in (("prev_logprobs", 1.0), ("generation_logprobs", -0.5)):
+        if key in batch:
+            batch[key] = batch[key] + sign * shift
+    return batch
+
+
+def run_case(overrides: list[str], groups) -> dict:
+    with initialize_config_module(version_base="1.3", config_module="compiled_loss.conf"):
+        cfg = load_config(compose(config_name="config", overrides=SMALL + overrides))
+    run = build_run(cfg, groups)
+    batch = _first_batch(run)
+    metrics = run.step(batch).metrics
+    grads = {name: p.grad.detach().clone() for name, p in run.policy.named_parameters() if p.grad is not None}
+    return {"metrics": metrics, "grads": grads}
+
+
+def main(out: str, tp: int, cp: int, dp: int, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("WORLD_SIZE", "1")
+    groups = None
+    results = {}
+    for name in names or CASES:
+        overrides = CASES[name] + [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}"]
+        if groups is None:  # one set of process groups serves every case
+            with initialize_config_module(version_base="1.3", config_module="compiled_loss.conf"):
+                groups = init_parallel(load_config(compose(config_name="config", overrides=SMALL + overrides)).parallel)
+        start = time.perf_counter()
+        try:
+            results[name] = run_case(overrides, groups)
+        except Exception as e:  # reported per case; the grid goes on
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        results[name]["seconds"] = time.perf_counter() - start
+    if groups.rank == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    out, tp, cp, dp, *names = sys.argv[1:]
+    main(out, int(tp), int(cp), int(dp), names)
