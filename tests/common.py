@@ -6,6 +6,19 @@ import math
 
 import torch
 
+# Hydra overrides for runner tests: the embedded model and task at test size, with a bucket
+# grid that small batches fill (SMALL_RUN), or a shorter task on a 32-token vocabulary (TINY_TASK)
+SMALL_RUN = [
+    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
+    "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=5",
+    "data.response_max=12", "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24", "packing.rows=4",
+]
+TINY_TASK = [
+    "model.vocab_size=32", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
+    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
+    "data.prompts=4", "data.group_size=4",
+]
+
 
 def exact_logits(target_lp: torch.Tensor, input_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """Logits `[B, S, V]` whose log-softmax at `input_ids[:, t+1]` equals `target_lp[:, t]`.

@@ -3,6 +3,9 @@
 `fn(rank, world_size, *args)` must be importable (a module-level function of a test
 module on the path). An exception on a rank is returned as `"<Type>: <message>"`; a run
 that outlives `timeout` is killed and fails the test, so nothing hangs.
+
+Inside a rank: `tp_cp_groups` builds the tensor- and context-parallel groups of a grid,
+`context_local` takes this rank's context-parallel positions of a full tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from compiled_loss.packing.context import ContextShards
 
 
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -45,3 +50,33 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeou
                 raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout} s")
         results = [torch.load(Path(out_dir) / f"{rank}.pt") for rank in range(world_size)]
     return [r.get("value", r.get("error")) for r in results]
+
+
+def tp_cp_groups(rank: int, world: int, tp: int, cp: int) -> tuple[Any, Any]:
+    """(tp group, cp group) of this rank (None for a size of 1): replicas of `tp · cp` ranks
+    side by side, `rank = replica · tp · cp + cp_rank · tp + tp_rank`. Every rank builds
+    every group, as `dist.new_group` requires."""
+    tp_groups, cp_groups = {}, {}
+    for base in range(0, world, tp * cp):
+        for c in range(cp):
+            ranks = [base + c * tp + t for t in range(tp)]
+            tp_groups.update(dict.fromkeys(ranks, dist.new_group(ranks)))
+        for t in range(tp):
+            ranks = [base + c * tp + t for c in range(cp)]
+            cp_groups.update(dict.fromkeys(ranks, dist.new_group(ranks)))
+    return (tp_groups[rank] if tp > 1 else None), (cp_groups[rank] if cp > 1 else None)
+
+
+def context_local(x: torch.Tensor, cp_group: Any, cu_seqlens_padded: tuple[int, ...] | None = None) -> torch.Tensor:
+    """This context-parallel rank's positions of a full tensor: unpacked rows `[B, S, ...]`
+    (`cu_seqlens_padded` None) or packed segments `[1, T, ...]` at `cu_seqlens_padded`, in
+    the load-balanced 2·cp-chunk order the library uses (`ContextShards`)."""
+    if cp_group is None:
+        return x
+    rows, length = x.shape[:2]
+    if cu_seqlens_padded is None:
+        shards = ContextShards.of_rows(rows, length, cp_group)
+    else:
+        cup = cu_seqlens_padded
+        shards = ContextShards.of_segments(cup[:-1], [b - a for a, b in zip(cup, cup[1:])], length, cp_group)
+    return shards.local(x.flatten(0, 1)).reshape(rows, -1, *x.shape[2:])

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from common import TINY_TASK
 
 import compiled_loss.demo.checkpoint as checkpoint
 import compiled_loss.demo.loop as loop
@@ -23,12 +24,7 @@ from compiled_loss.demo.checkpoint import load_checkpoint, save_checkpoint
 from compiled_loss.demo.loop import build_run, train
 from compiled_loss.train.parallel import init_parallel
 
-SMALL = [
-    "model.vocab_size=32", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=4", "data.group_size=4", "compile.enabled=false", "run.sft_steps=3", "run.steps=4",
-    "run.save_every=2",
-]
+SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=3", "run.steps=4", "run.save_every=2"]
 TIMING = {"sample_seconds", "step_seconds", "tokens_per_s"}
 MAY = ("a resume may change only compile.*, packing.*, parallel.*, run.micro_batches, logprob.chunk_size, "
        "logprob.fused_linear, run.deterministic, run.validate_inputs, run.log_every, run.save_every, run.keep_last, "

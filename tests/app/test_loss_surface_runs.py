@@ -9,15 +9,12 @@ import json
 
 import pytest
 import torch
+from common import TINY_TASK
 
 from compiled_loss.app import compose_config
 from compiled_loss.demo.loop import train
 
-SMALL = [
-    "model.vocab_size=32", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=4", "data.group_size=4", "compile.backend=aot_eager", "run.sft_steps=1", "run.steps=6",
-]
+SMALL = [*TINY_TASK, "compile.backend=aot_eager", "run.sft_steps=1", "run.steps=6"]
 
 
 def _run(tmp_path, *overrides: str) -> tuple[dict, list[dict]]:

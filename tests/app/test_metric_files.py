@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import math
 
+from common import TINY_TASK
+
 import compiled_loss.demo.loop as loop
 from compiled_loss.app import compose_config
 from compiled_loss.demo.loop import train
 
-SMALL = [
-    "model.vocab_size=32", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=4", "data.group_size=4", "compile.enabled=false", "run.sft_steps=1", "run.steps=2",
-]
+SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=1", "run.steps=2"]
 
 
 def _strict(text: str):

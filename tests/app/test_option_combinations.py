@@ -16,6 +16,7 @@ import io
 import itertools
 
 import pytest
+from common import SMALL_RUN
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
@@ -24,25 +25,7 @@ from compiled_loss.checks import ConfigError
 from compiled_loss.config import PackingMode
 from compiled_loss.demo.loop import train
 
-SMALL = [
-    "model.vocab_size=96",
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.max_positions=64",
-    "data.prompts=4",
-    "data.group_size=2",
-    "data.modulus=16",
-    "data.response_median=5",
-    "data.response_max=12",
-    "data.prompt_terms_max=5",
-    "packing.tokens=32",
-    "packing.width=24",
-    "packing.rows=4",
-    "run.micro_batches=2",
-    "compile.enabled=false",
-    "run.steps=1",
-    "run.sft_steps=1",
-]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=1", "run.sft_steps=1"]
 LOSSES = [
     "clipped_pg",
     "gspo",

@@ -11,17 +11,14 @@ import subprocess
 import sys
 
 import pytest
+from common import TINY_TASK
 
 from compiled_loss.demo.curves import read_metrics
 from compiled_loss.plot import labels, main, run_dirs
 
 pytest.importorskip("matplotlib", reason="the curves need matplotlib (pip install -e '.[plot]'; CI installs it)")
 
-SMALL = [
-    "model.vocab_size=32", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=4", "data.group_size=4", "compile.enabled=false", "run.sft_steps=2", "run.steps=3",
-]
+SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=2", "run.steps=3"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,27 +8,11 @@ from __future__ import annotations
 import json
 import sys
 
+from common import SMALL_RUN
+
 from compiled_loss.app.run import main
 
-SMALL = [
-    "model.vocab_size=96",
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.max_positions=64",
-    "data.prompts=4",
-    "data.group_size=2",
-    "data.modulus=16",
-    "data.response_median=5",
-    "data.response_max=12",
-    "data.prompt_terms_max=5",
-    "packing.tokens=32",
-    "packing.width=24",
-    "packing.rows=4",
-    "run.micro_batches=2",
-    "compile.backend=eager",
-    "run.steps=1",
-    "run.sft_steps=1",
-]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.backend=eager", "run.steps=1", "run.sft_steps=1"]
 
 
 def test_every_job_of_a_sweep_in_one_process_finishes(tmp_path, monkeypatch):

@@ -12,13 +12,9 @@ import sys
 import time
 
 import pytest
+from common import SMALL_RUN
 
-SMALL = [
-    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=5",
-    "data.response_max=12", "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24",
-    "packing.rows=4", "run.micro_batches=2", "compile.backend=aot_eager", "run.steps=2", "run.sft_steps=0",
-]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.backend=aot_eager", "run.steps=2", "run.sft_steps=0"]
 COMPARED = ("loss", "probs_ratio", "probs_ratio_min", "probs_ratio_max", "kl_penalty", "approx_entropy",
             "token_mult_prob_error", "sampling_importance_ratio", "num_valid_samples", "global_valid_toks",
             "grad_norm")

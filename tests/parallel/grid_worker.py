@@ -13,9 +13,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' shared helpers
+from common import SMALL_RUN  # noqa: E402
 
 from compiled_loss.app import load_config
 from compiled_loss.demo.loop import build_run
@@ -23,11 +27,7 @@ from compiled_loss.train.parallel import init_parallel
 
 # small enough that a case takes about a second on one core
 SMALL = [
-    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=5",
-    "data.response_max=12", "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24",
-    "packing.rows=4", "run.micro_batches=2", "compile.enabled=false", "run.sft_steps=0", "run.steps=1",
-    "optim.grad_clip=null",
+    *SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.sft_steps=0", "run.steps=1", "optim.grad_clip=null",
 ]
 LOSSES = ["clipped_pg", "gspo", "cispo", "reinforce", "opd_full", "nll", "dpo", "mpo", "distillation",
           "cross_tokenizer", "mse_value"]

@@ -41,10 +41,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from cases import CASE_BY_NAME, VOCAB, boundaries, globals_for, make_batch, pack_logits
-from ranks import run_on_ranks
+from ranks import context_local, run_on_ranks, tp_cp_groups
 
 from compiled_loss.interfaces import LossInputType
-from compiled_loss.packing.context import ContextShards
 from compiled_loss.vocab import LinearLogits
 from compiled_loss.wrapper import SequencePackingFusionLossWrapper, wrap_loss_fn_with_input_preparation
 
@@ -106,23 +105,8 @@ def _wrapper(which: str, case, chunk: int | None, tp_group=None, cp_group=None):
 
 
 def _local(which: str, x: torch.Tensor, cp_group) -> torch.Tensor:
-    """This CP rank's positions of a full `[B, S, ...]` / `[1, T, ...]` tensor (as test_parity's `_shard`)."""
-    if cp_group is None:
-        return x
-    rows, length = x.shape[:2]
-    if which == "unpacked":
-        shards = ContextShards.of_rows(rows, length, cp_group)
-    else:
-        shards = ContextShards.of_segments(boundaries(LENGTHS, PADS)[1][:-1], [n + p for n, p in zip(LENGTHS, PADS)],
-                                           length, cp_group)
-    return shards.local(x.flatten(0, 1)).reshape(rows, -1, x.shape[-1])
-
-
-def _groups(rank: int, world: int, tp: int, cp: int):
-    """(tp group, cp group) of this rank; rank = cp_rank · tp + tp_rank (as test_parity)."""
-    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(world // tp)]
-    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
-    return tp_groups[rank // tp] if tp > 1 else None, cp_groups[rank % tp] if cp > 1 else None
+    """This CP rank's positions of a full `[B, S, ...]` / `[1, T, ...]` tensor."""
+    return context_local(x, cp_group, None if which == "unpacked" else boundaries(LENGTHS, PADS)[1])
 
 
 def _check(name: str, which: str, chunk: int | None, tp_rank: int, tp: int, cp: int, tp_group, cp_group) -> list[str]:
@@ -178,7 +162,7 @@ def _on_ranks(rank: int, world: int) -> dict[str, dict[str, list[str]]]:
     out = {}
     for config in SPAWNS[world]:
         tp, cp = CONFIGS[config]
-        tp_group, cp_group = _groups(rank, world, tp, cp)
+        tp_group, cp_group = tp_cp_groups(rank, world, tp, cp)
         report = out[config] = {}
         for name in LOSSES:
             for which, chunk in _variants(name):

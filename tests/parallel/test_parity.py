@@ -16,10 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from cases import CASE_BY_NAME, TEACHER_HEADS, boundaries, globals_for, make_batch, pack_logits
-from ranks import run_on_ranks
+from ranks import context_local, run_on_ranks, tp_cp_groups
 
 from compiled_loss.loss_input import prepare_loss_input
-from compiled_loss.packing.context import ContextShards
 from compiled_loss.train import CompileRecorder
 from compiled_loss.wrapper import (
     DraftLossWrapper,
@@ -40,13 +39,6 @@ COMPILED = {("grpo_topk_topp", w) for w in WRAPPERS} | {
     ("distill_mixed_zero_outside", "fused"), ("distill_reverse", "per_sequence"), ("mse_value_clipped", "unpacked"),
     ("dpo_sft", "fused"), ("nll", "per_sequence"), ("opd_full_logits", "fused"),
     ("opd_full_hidden_seq_level", "per_sequence")}
-
-
-def _groups(rank: int, world: int, tp: int, cp: int):
-    """(tp group, cp group) of this rank; rank = cp_rank · tp + tp_rank."""
-    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(world // tp)]
-    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
-    return tp_groups[rank // tp] if tp > 1 else None, cp_groups[rank % tp] if cp > 1 else None
 
 
 def _batch(name: str):
@@ -100,17 +92,11 @@ def _shard(which, x, tp_rank, tp, cp_group):
     if x.shape[-1] > 1:
         width = x.shape[-1] // tp
         x = x[..., tp_rank * width : (tp_rank + 1) * width]
-    if cp_group is None:
-        return x
-    rows, length = x.shape[:2]
-    shards = ContextShards.of_rows(rows, length, cp_group) if which in ("unpacked", "draft_unpacked") else (
-        ContextShards.of_segments(boundaries(LENGTHS, PADS)[1][:-1], [n + p for n, p in zip(LENGTHS, PADS)],
-                                  length, cp_group))
-    return shards.local(x.flatten(0, 1)).reshape(rows, -1, x.shape[-1])
+    return context_local(x, cp_group, None if which in ("unpacked", "draft_unpacked") else boundaries(LENGTHS, PADS)[1])
 
 
 def _on_ranks(rank: int, world: int, tp: int, cp: int):
-    tp_group, cp_group = _groups(rank, world, tp, cp)
+    tp_group, cp_group = tp_cp_groups(rank, world, tp, cp)
     tp_rank, cp_size = rank % tp, cp
     report = []
     for name in LOSSES:

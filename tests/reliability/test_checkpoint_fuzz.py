@@ -16,6 +16,7 @@ import zipfile
 
 import pytest
 import torch
+from common import TINY_TASK
 from hypothesis import given
 from hypothesis import strategies as st
 from reliability.oracle import hyp
@@ -26,12 +27,7 @@ from compiled_loss.demo.checkpoint import load_checkpoint, save_checkpoint
 from compiled_loss.demo.loop import build_run, train
 from compiled_loss.train.parallel import init_parallel
 
-SMALL = [
-    "model.vocab_size=32", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=4", "data.group_size=4", "compile.enabled=false", "run.sft_steps=1", "run.steps=2",
-    "run.save_every=2",
-]
+SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=1", "run.steps=2", "run.save_every=2"]
 LOSS = {kind().name: kind for kind in LOSS_KINDS}
 DRAFT = {kind().name: kind for kind in DRAFT_KINDS}
 # (group, field or None for the whole option, value, whether a resume must refuse it)

@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+from common import SMALL_RUN
 
 from compiled_loss.app import compose_config
 from compiled_loss.checks import ConfigError
@@ -18,25 +19,7 @@ from compiled_loss.demo.loop import train
 from compiled_loss.draft.dflash import DFlashConfig
 from compiled_loss.draft.eagle3 import Eagle3Config
 
-SMALL = [
-    "model.vocab_size=96",
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.max_positions=64",
-    "data.prompts=4",
-    "data.group_size=2",
-    "data.modulus=16",
-    "data.response_median=5",
-    "data.response_max=12",
-    "data.prompt_terms_max=5",
-    "packing.tokens=32",
-    "packing.width=24",
-    "packing.rows=4",
-    "run.micro_batches=2",
-    "compile.enabled=false",
-    "run.steps=1",
-    "run.sft_steps=1",
-]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=1", "run.sft_steps=1"]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from hypothesis import given
-from ranks import run_on_ranks
+from ranks import context_local, run_on_ranks, tp_cp_groups
 from reliability.oracle import (
     CASE_STRATEGIES,
     WRAPPERS,
@@ -33,7 +33,6 @@ from reliability.oracle import (
     packings,
 )
 
-from compiled_loss.packing.context import ContextShards
 from compiled_loss.wrapper import wrap_loss_fn_with_input_preparation
 
 EXAMPLES = {"pg": 10, "nll": 4, "dpo": 4, "distill": 4, "mse": 4}
@@ -61,37 +60,14 @@ def _examples() -> list:
     return drawn
 
 
-def _groups(rank: int, world: int, tp: int, cp: int):
-    """(tp group, cp group) of this rank; replicas of tp · cp ranks side by side."""
-    n = tp * cp
-    tp_groups, cp_groups = {}, {}
-    for base in range(0, world, n):
-        for c in range(cp):
-            ranks = [base + c * tp + t for t in range(tp)]
-            tp_groups.update(dict.fromkeys(ranks, dist.new_group(ranks)))
-        for t in range(tp):
-            ranks = [base + c * tp + t for c in range(cp)]
-            cp_groups.update(dict.fromkeys(ranks, dist.new_group(ranks)))
-    return (tp_groups[rank] if tp > 1 else None), (cp_groups[rank] if cp > 1 else None)
-
-
 def _local(x, which: str, packing: Packing, tp_group, cp_group):
     """This rank's share of full logits (or of their gradient): its vocabulary columns and
     its context-parallel positions."""
-    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-    if x.shape[-1] > 1 and tp > 1:
-        width = x.shape[-1] // tp
+    if x.shape[-1] > 1 and tp_group is not None:
+        width = x.shape[-1] // dist.get_world_size(tp_group)
         rank = dist.get_rank(tp_group)
         x = x[..., rank * width : (rank + 1) * width]
-    if cp_group is None:
-        return x
-    rows, length = x.shape[:2]
-    if which == "unpacked":
-        shards = ContextShards.of_rows(rows, length, cp_group)
-    else:
-        cup = packing.cu_padded
-        shards = ContextShards.of_segments(cup[:-1], [b - a for a, b in zip(cup, cup[1:])], length, cp_group)
-    return shards.local(x.flatten(0, 1)).reshape(rows, -1, x.shape[-1])
+    return context_local(x, cp_group, None if which == "unpacked" else packing.cu_padded)
 
 
 def _inputs(family: str, case, packing: Packing, which: str):
@@ -124,7 +100,7 @@ def _on_ranks(rank: int, world: int, examples: list) -> tuple[int, list[str]]:
     torch.set_num_threads(1)
     problems, compared = [], 0
     for tp, cp in CONFIGS:
-        tp_group, cp_group = _groups(rank, world, tp, cp)
+        tp_group, cp_group = tp_cp_groups(rank, world, tp, cp)
         for family, case, packing in examples:
             for which in ("unpacked", *(w.__name__ for w in WRAPPERS)):
                 logits, data, (gs, gt) = _inputs(family, case, packing, which)

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from common import SMALL_RUN
 from hydra import compose, initialize_config_module
 from ranks import run_on_ranks
 
@@ -20,12 +21,7 @@ from compiled_loss.demo.model import TinyLM
 from compiled_loss.train import build_train_step
 from compiled_loss.train.parallel import ParallelGroups
 
-SMALL = [
-    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=5", "data.response_max=12",
-    "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24", "packing.rows=4", "run.micro_batches=2",
-    "loss=nll", "compile.enabled=false",
-]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "loss=nll", "compile.enabled=false"]
 
 
 def _step_on_rank(rank: int, world: int, axis: str, rows: tuple[int, int]) -> str:
