@@ -86,7 +86,7 @@ class Rollouts:
         mask = torch.arange(samples.tokens.shape[1]) < samples.lengths[:, None]
         sums = torch.stack([rewards.sum(), (rewards == 1).sum(), -(samples.logprobs * mask).sum(), mask.sum(),
                             samples.lengths.sum()]).double()
-        reward, solved, neg_logprob, tokens, length = all_reduce_host(sums, self.groups.dp).tolist()
+        reward, solved, neg_logprob, tokens, length = all_reduce_host(sums, self.groups.dp).tolist()  # host
         stats = {"reward": reward / self.rows, "solved": solved / self.rows, "entropy": neg_logprob / tokens,
                  "response_length": length / self.rows, "sample_seconds": time.perf_counter() - start}
         return samples, rewards, stats
