@@ -37,9 +37,7 @@ Tensor = torch.Tensor
 Aggregation = Literal["sum", "mean", "min", "max"]
 
 # The seed's extrema sets (`nemo_rl.algorithms.loss.wrapper`), exactly.
-_SEQ_METRIC_MIN: frozenset[str] = frozenset(
-    {"probs_ratio_min", "probs_ratio_clamped_min", "opd_full_reverse_kl_min"}
-)
+_SEQ_METRIC_MIN: frozenset[str] = frozenset({"probs_ratio_min", "probs_ratio_clamped_min", "opd_full_reverse_kl_min"})
 _SEQ_METRIC_MAX: frozenset[str] = frozenset(
     {"probs_ratio_max", "probs_ratio_clamped_max", "opd_full_reverse_kl_max", "opd_full_decomposition_error"}
 )
@@ -47,22 +45,56 @@ _SEQ_METRIC_MAX: frozenset[str] = frozenset(
 # Fragments and counts, summed as NeMo-RL sums them (VAPO's `positive_nll_loss` is a
 # micro-batch-local mean that the reference sums as well).
 _SUMMED = (
-    "loss", "num_valid_samples", "num_unmasked_tokens",
+    "loss",
+    "num_valid_samples",
+    "num_unmasked_tokens",
     # ClippedPGLossFn and its OPD_FULL branch
-    "probs_ratio", "probs_ratio_clamped", "kl_penalty", "sampling_importance_ratio", "approx_entropy",
-    "positive_nll_loss", "is_oob_ratio", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
-    "js_divergence_error", "num_masked_seqs_by_logprob_error", "seq_logprob_error_valid_tokens",
-    "seq_logprob_error_valid_seqs", "opd_full_reverse_kl", "opd_full_entropy", "opd_full_cross_entropy",
+    "probs_ratio",
+    "probs_ratio_clamped",
+    "kl_penalty",
+    "sampling_importance_ratio",
+    "approx_entropy",
+    "positive_nll_loss",
+    "is_oob_ratio",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "num_masked_seqs_by_logprob_error",
+    "seq_logprob_error_valid_tokens",
+    "seq_logprob_error_valid_seqs",
+    "opd_full_reverse_kl",
+    "opd_full_entropy",
+    "opd_full_cross_entropy",
     # PreferenceLossFn, DPOLossFn, MPOLossFn
-    "accuracy", "rewards_chosen_mean", "rewards_rejected_mean", "sft_loss", "preference_loss", "bco_loss",
-    "bco_rewards_chosen_mean", "bco_rewards_rejected_mean", "bco_reward_sum", "bco_reward_count",
+    "accuracy",
+    "rewards_chosen_mean",
+    "rewards_rejected_mean",
+    "sft_loss",
+    "preference_loss",
+    "bco_loss",
+    "bco_rewards_chosen_mean",
+    "bco_rewards_rejected_mean",
+    "bco_reward_sum",
+    "bco_reward_count",
     # MseValueLossFn
-    "returns_mean", "values_mean", "returns_sq_mean", "residual_sq_mean", "vf_clipfrac",
+    "returns_mean",
+    "values_mean",
+    "returns_sq_mean",
+    "residual_sq_mean",
+    "vf_clipfrac",
     # CrossTokenizerDistillationLossFn
-    "kl_loss", "ce_loss",
+    "kl_loss",
+    "ce_loss",
     # draft losses and drafter runtimes (a runtime's loss terms are each micro-batch's share)
-    "draft_loss", "total_loss", "draft_ce_loss", "draft_tv_loss", "draft_conf_loss", "draft_tau_num",
-    "draft_tau_den", "_draft_step_payload",
+    "draft_loss",
+    "total_loss",
+    "draft_ce_loss",
+    "draft_tv_loss",
+    "draft_conf_loss",
+    "draft_tau_num",
+    "draft_tau_den",
+    "_draft_step_payload",
 )
 
 AGGREGATION: Mapping[str, Aggregation] = MappingProxyType(
@@ -138,10 +170,7 @@ def rescale_loss_metrics(
         MetricNormalizer.SEQUENCES: sequence_factor,
         MetricNormalizer.NONE: 1.0,
     }
-    return {
-        key: value * factors[normalizers[key]] if key in normalizers else value
-        for key, value in metrics.items()
-    }
+    return {key: value * factors[normalizers[key]] if key in normalizers else value for key, value in metrics.items()}
 
 
 def with_ratios(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -173,9 +202,7 @@ def metrics_to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
     tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
     for key in tensor_keys:
         if metrics[key].dim() != 0:
-            raise ValueError(
-                f"metrics[{key!r}] must be a 0-d tensor, got shape {tuple(metrics[key].shape)}"
-            )
+            raise ValueError(f"metrics[{key!r}] must be a 0-d tensor, got shape {tuple(metrics[key].shape)}")
     out = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
     if tensor_keys:
         device = metrics[tensor_keys[0]].device

@@ -100,10 +100,15 @@ class _PackingWrapper:
         cu, cup = check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded)
         object.__setattr__(self, "cu_seqlens_q", cu)
         object.__setattr__(self, "cu_seqlens_q_padded", cup)
-        check_agreement("the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)", (cu, cup, self.bucket),
-                        self.vocab_parallel_group, self.context_parallel_group)
-        layout = PackedLayout.build(cu, cup, grid=self.bucket, device=self.device,
-                                    context_parallel_group=self.context_parallel_group)
+        check_agreement(
+            "the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)",
+            (cu, cup, self.bucket),
+            self.vocab_parallel_group,
+            self.context_parallel_group,
+        )
+        layout = PackedLayout.build(
+            cu, cup, grid=self.bucket, device=self.device, context_parallel_group=self.context_parallel_group
+        )
         _check_pairs_fit(self.loss_fn, layout, type(self).__name__)
         object.__setattr__(self, "layout", layout)
         fused, prepare = self._fused, self.prepare_fn
@@ -120,9 +125,15 @@ class _PackingWrapper:
         global_valid_toks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return sequence_packing_loss(
-            next_token_logits, data, global_valid_seqs, global_valid_toks,
-            loss_fn=self.loss_fn, prepare_fn=self._prepare, layout=self.layout,
-            fused=self._run_fused, cu_seqlens_q=self.cu_seqlens_q,
+            next_token_logits,
+            data,
+            global_valid_seqs,
+            global_valid_toks,
+            loss_fn=self.loss_fn,
+            prepare_fn=self._prepare,
+            layout=self.layout,
+            fused=self._run_fused,
+            cu_seqlens_q=self.cu_seqlens_q,
             cu_seqlens_q_padded=self.cu_seqlens_q_padded,
             vocab_parallel_rank=self.vocab_parallel_rank,
             vocab_parallel_group=self.vocab_parallel_group,
@@ -192,15 +203,25 @@ class DraftLossWrapper:
             raise ValueError("DraftLossWrapper: defer_normalization is not supported in packed mode")
         if not packed and self.prepare_fn is None:
             raise ValueError("DraftLossWrapper: prepare_fn is required in unpacked mode")
-        object.__setattr__(self, "draft_loss_fn", DraftCrossEntropyLossFn(
-            vocab_parallel_group=self.vocab_parallel_group, token_chunk_size=self.token_chunk_size,
-        ))
+        object.__setattr__(
+            self,
+            "draft_loss_fn",
+            DraftCrossEntropyLossFn(
+                vocab_parallel_group=self.vocab_parallel_group,
+                token_chunk_size=self.token_chunk_size,
+            ),
+        )
         if packed:
             cu, cup = check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded)
-            check_agreement("the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)", (cu, cup, self.bucket),
-                            self.vocab_parallel_group, self.context_parallel_group)
-            layout = PackedLayout.build(cu, cup, grid=self.bucket, device=self.device,
-                                        context_parallel_group=self.context_parallel_group)
+            check_agreement(
+                "the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)",
+                (cu, cup, self.bucket),
+                self.vocab_parallel_group,
+                self.context_parallel_group,
+            )
+            layout = PackedLayout.build(
+                cu, cup, grid=self.bucket, device=self.device, context_parallel_group=self.context_parallel_group
+            )
             object.__setattr__(self, "layout", layout)
             if self.d2t is not None:
                 object.__setattr__(self, "draft_vocab", DraftVocab.build(self.d2t))
@@ -215,21 +236,40 @@ class DraftLossWrapper:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         if global_valid_toks is None:
             raise ValueError("DraftLossWrapper: global_valid_toks must not be None")
-        check_inputs_agree("DraftLossWrapper", next_token_logits, data, self.vocab_parallel_group,
-                           self.context_parallel_group, student_logits=self.student_logits)
+        check_inputs_agree(
+            "DraftLossWrapper",
+            next_token_logits,
+            data,
+            self.vocab_parallel_group,
+            self.context_parallel_group,
+            student_logits=self.student_logits,
+        )
         policy_loss, metrics = self.loss_fn(next_token_logits, data, global_valid_seqs, global_valid_toks, **kwargs)
         groups = dict(vocab_parallel_rank=self.vocab_parallel_rank, vocab_parallel_group=self.vocab_parallel_group)
         if self.layout is not None:
             draft = packed_draft_soft_ce(
-                next_token_logits, data, global_valid_seqs, global_valid_toks, draft_loss_fn=self.draft_loss_fn,
-                layout=self.layout, student_logits=self.student_logits, draft_vocab=self.draft_vocab, **groups,
+                next_token_logits,
+                data,
+                global_valid_seqs,
+                global_valid_toks,
+                draft_loss_fn=self.draft_loss_fn,
+                layout=self.layout,
+                student_logits=self.student_logits,
+                draft_vocab=self.draft_vocab,
+                **groups,
             )
             extra = {}
         else:
             draft, extra = draft_soft_ce(
-                next_token_logits, data, global_valid_seqs, global_valid_toks, draft_loss_fn=self.draft_loss_fn,
-                prepare_fn=self.prepare_fn, defer_normalization=self.defer_normalization,
-                context_parallel_group=self.context_parallel_group, **groups,
+                next_token_logits,
+                data,
+                global_valid_seqs,
+                global_valid_toks,
+                draft_loss_fn=self.draft_loss_fn,
+                prepare_fn=self.prepare_fn,
+                defer_normalization=self.defer_normalization,
+                context_parallel_group=self.context_parallel_group,
+                **groups,
             )
         loss, metrics = with_draft_loss(
             policy_loss, metrics, draft, self.loss_weight, report_total=not self.defer_normalization
@@ -266,8 +306,10 @@ class DraftRuntimeLossWrapper:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         loss_input, prepared = self.prepare_fn(next_token_logits, data, self.loss_fn)
         policy_loss, metrics = self.loss_fn(
-            data=prepared, global_valid_seqs=global_valid_seqs,
-            global_valid_toks=global_valid_toks, **loss_input,
+            data=prepared,
+            global_valid_seqs=global_valid_seqs,
+            global_valid_toks=global_valid_toks,
+            **loss_input,
         )
         draft_loss, draft_metrics = self.draft_runtime.compute_loss(prepared)
         return policy_loss + self.draft_runtime.loss_weight * draft_loss, {**metrics, **draft_metrics}

@@ -41,48 +41,96 @@ class Case:
 
 TEACHER_HIDDEN = 6
 # two teacher LM heads [V, H], keyed by the index rows name in data["opd_full_teacher_index"]
-TEACHER_HEADS = {2: torch.randn(VOCAB, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(7)),
-                 5: torch.randn(VOCAB, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(8))}
+TEACHER_HEADS = {
+    2: torch.randn(VOCAB, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(7)),
+    5: torch.randn(VOCAB, TEACHER_HIDDEN, generator=torch.Generator().manual_seed(8)),
+}
 
 
 CASES = [
     Case("grpo", lambda: ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})),
-    Case("grpo_k1_onpolicy_kl", lambda: ClippedPGLossFn(
-        {"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k1",
-         "use_on_policy_kl_approximation": True})),
-    Case("dual_clip_vapo", lambda: ClippedPGLossFn(
-        {"ratio_clip_c": 3.0, "positive_example_nll_weight": 0.5})),
-    Case("gspo_tis", lambda: ClippedPGLossFn(
-        {"token_level_loss": False, "sequence_level_importance_ratios": True,
-         "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-         "truncated_importance_sampling_ratio": 1.5})),
-    Case("cispo_icepop", lambda: ClippedPGLossFn(
-        {"use_cispo": True, "use_importance_sampling_correction": True,
-         "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 2.0,
-         "truncated_importance_sampling_ratio_min": 0.5, "reference_policy_kl_penalty": 0.0})),
-    Case("seq_mask_tis_seq_level", lambda: ClippedPGLossFn(
-        {"token_level_loss": False, "use_importance_sampling_correction": True,
-         "truncated_importance_sampling_type": "seq-mask-tis",
-         "truncated_importance_sampling_ratio": 1.5, "truncated_importance_sampling_ratio_min": 0.5})),
+    Case(
+        "grpo_k1_onpolicy_kl",
+        lambda: ClippedPGLossFn(
+            {
+                "reference_policy_kl_penalty": 0.1,
+                "reference_policy_kl_type": "k1",
+                "use_on_policy_kl_approximation": True,
+            }
+        ),
+    ),
+    Case("dual_clip_vapo", lambda: ClippedPGLossFn({"ratio_clip_c": 3.0, "positive_example_nll_weight": 0.5})),
+    Case(
+        "gspo_tis",
+        lambda: ClippedPGLossFn(
+            {
+                "token_level_loss": False,
+                "sequence_level_importance_ratios": True,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": 1.5,
+            }
+        ),
+    ),
+    Case(
+        "cispo_icepop",
+        lambda: ClippedPGLossFn(
+            {
+                "use_cispo": True,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 0.5,
+                "reference_policy_kl_penalty": 0.0,
+            }
+        ),
+    ),
+    Case(
+        "seq_mask_tis_seq_level",
+        lambda: ClippedPGLossFn(
+            {
+                "token_level_loss": False,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.5,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            }
+        ),
+    ),
     Case("reinforce", lambda: ClippedPGLossFn({"disable_ppo_ratio": True})),
-    Case("seq_filter", lambda: ClippedPGLossFn(
-        {"force_on_policy_ratio": True, "seq_logprob_error_in_loss": True},
-        seq_logprob_error_threshold=2.0)),
-    Case("grpo_topk_topp", lambda: ClippedPGLossFn({"reference_policy_kl_penalty": 0.05}),
-         sampling=TrainingSamplingParams(top_k=6, top_p=0.9)),
+    Case(
+        "seq_filter",
+        lambda: ClippedPGLossFn(
+            {"force_on_policy_ratio": True, "seq_logprob_error_in_loss": True}, seq_logprob_error_threshold=2.0
+        ),
+    ),
+    Case(
+        "grpo_topk_topp",
+        lambda: ClippedPGLossFn({"reference_policy_kl_penalty": 0.05}),
+        sampling=TrainingSamplingParams(top_k=6, top_p=0.9),
+    ),
     Case("nll", lambda: NLLLossFn()),
-    Case("dpo_sft", lambda: DPOLossFn({"sft_loss_weight": 0.5, "preference_average_log_probs": True}),
-         pairs=True),
-    Case("distill_mixed_zero_outside", lambda: DistillationLossFn(
-        {"kl_type": "mixed", "mixed_kl_weight": 0.3, "zero_outside_topk": True})),
+    Case("dpo_sft", lambda: DPOLossFn({"sft_loss_weight": 0.5, "preference_average_log_probs": True}), pairs=True),
+    Case(
+        "distill_mixed_zero_outside",
+        lambda: DistillationLossFn({"kl_type": "mixed", "mixed_kl_weight": 0.3, "zero_outside_topk": True}),
+    ),
     Case("distill_reverse", lambda: DistillationLossFn({"kl_type": "reverse"})),
-    Case("opd_full_logits", lambda: ClippedPGLossFn(
-        {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.05}, opd_full={"validate_decomposition": True})),
-    Case("opd_full_hidden_seq_level", lambda: ClippedPGLossFn(
-        {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0, "token_level_loss": False},
-        opd_full={"teacher_payload": "hidden_states", "compute_entropy": True}), teacher_heads=True),
-    Case("mse_value_clipped", lambda: MseValueLossFn({"cliprange": 0.2, "scale": 2.0}),
-         logit_width=1),
+    Case(
+        "opd_full_logits",
+        lambda: ClippedPGLossFn(
+            {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.05}, opd_full={"validate_decomposition": True}
+        ),
+    ),
+    Case(
+        "opd_full_hidden_seq_level",
+        lambda: ClippedPGLossFn(
+            {"disable_ppo_ratio": True, "reference_policy_kl_penalty": 0.0, "token_level_loss": False},
+            opd_full={"teacher_payload": "hidden_states", "compute_entropy": True},
+        ),
+        teacher_heads=True,
+    ),
+    Case("mse_value_clipped", lambda: MseValueLossFn({"cliprange": 0.2, "scale": 2.0}), logit_width=1),
 ]
 
 CASE_BY_NAME = {c.name: c for c in CASES}
@@ -127,8 +175,9 @@ def make_batch(case: Case, lengths: list[int], width: int, seed: int) -> tuple[d
     return data, logits
 
 
-def pack_logits(unpacked: torch.Tensor, cu: tuple[int, ...], cu_padded: tuple[int, ...],
-                tokens: int, seed: int) -> torch.Tensor:
+def pack_logits(
+    unpacked: torch.Tensor, cu: tuple[int, ...], cu_padded: tuple[int, ...], tokens: int, seed: int
+) -> torch.Tensor:
     """Packed `[1, tokens, W]` logits: row i's first min(L_i, S) positions at its padded
     offset; every other slot random garbage (it must not matter). A leaf requiring grad."""
     rows, width, w = unpacked.shape

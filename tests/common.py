@@ -9,14 +9,31 @@ import torch
 # Hydra overrides for runner tests: the embedded model and task at test size, with a bucket
 # grid that small batches fill (SMALL_RUN), or a shorter task on a 32-token vocabulary (TINY_TASK)
 SMALL_RUN = [
-    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=5",
-    "data.response_max=12", "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24", "packing.rows=4",
+    "model.vocab_size=96",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.prompts=4",
+    "data.group_size=2",
+    "data.modulus=16",
+    "data.response_median=5",
+    "data.response_max=12",
+    "data.prompt_terms_max=5",
+    "packing.tokens=32",
+    "packing.width=24",
+    "packing.rows=4",
 ]
 TINY_TASK = [
-    "model.vocab_size=32", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=4", "data.group_size=4",
+    "model.vocab_size=32",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.modulus=16",
+    "data.prompt_terms_max=5",
+    "data.response_max=12",
+    "data.total_terms=10",
+    "data.prompts=4",
+    "data.group_size=4",
 ]
 
 
@@ -71,8 +88,9 @@ def cumsum(lengths: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def pack_rows(unpacked: torch.Tensor, lengths: list[int], cu_padded: tuple[int, ...],
-               filler: torch.Tensor) -> torch.Tensor:
+def pack_rows(
+    unpacked: torch.Tensor, lengths: list[int], cu_padded: tuple[int, ...], filler: torch.Tensor
+) -> torch.Tensor:
     """Differentiable packing `[B, S, ...]` → `[1, T, ...]`: segment i occupies slots
     `[cu_padded[i], cu_padded[i+1])`, its first `min(L_i, S)` slots hold row i's first
     positions, the other slots come from `filler` (`[T, ...]`, arbitrary junk)."""
@@ -82,14 +100,14 @@ def pack_rows(unpacked: torch.Tensor, lengths: list[int], cu_padded: tuple[int, 
         c = min(length, width)
         start, end = cu_padded[i], cu_padded[i + 1]
         pieces.append(unpacked[i, :c])
-        pieces.append(filler[start + c:end])
+        pieces.append(filler[start + c : end])
     return torch.cat(pieces, 0)[None]
 
 
 def padding_slots(lengths: list[int], cu_padded: tuple[int, ...], width: int) -> torch.Tensor:
     keep = torch.zeros(cu_padded[-1], dtype=torch.bool)
     for i, length in enumerate(lengths):
-        keep[cu_padded[i]:cu_padded[i] + min(length, width)] = True
+        keep[cu_padded[i] : cu_padded[i] + min(length, width)] = True
     return ~keep
 
 

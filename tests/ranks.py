@@ -39,7 +39,10 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeou
         init_file, out_dir = str(Path(tmp) / "init"), str(Path(tmp) / "out")
         Path(out_dir).mkdir()
         ctx = mp.start_processes(
-            _entry, args=(world_size, init_file, out_dir, fn, args), nprocs=world_size, join=False,
+            _entry,
+            args=(world_size, init_file, out_dir, fn, args),
+            nprocs=world_size,
+            join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout

@@ -53,12 +53,19 @@ def _cross_tokenizer_metrics(projections=(True, False), **cfg) -> dict[str, torc
     projection = torch.cat([torch.eye(t_vocab - 1, vocab), torch.ones(1, vocab)])  # 4 exact maps, 1 spread
     token_mask = torch.ones(rows, width)
     token_mask[:, 0] = 0
-    data = {"input_ids": torch.randint(0, vocab, (rows, width), generator=g), "token_mask": token_mask,
-            "sample_mask": torch.ones(rows)}
-    teachers = {i: torch.randn(rows, 2 * width, t_vocab if p else vocab, generator=g) for i, p in enumerate(projections)}
+    data = {
+        "input_ids": torch.randint(0, vocab, (rows, width), generator=g),
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+    }
+    teachers = {
+        i: torch.randn(rows, 2 * width, t_vocab if p else vocab, generator=g) for i, p in enumerate(projections)
+    }
     aligns = {i: (2 * torch.arange(width)).expand(rows, width) for i in teachers}
-    fn = CrossTokenizerDistillationLossFn(CrossTokenizerDistillationLossConfig(teacher_weights=(0.25, 0.75), **cfg),
-                                          projections=tuple(projection if p else None for p in projections))
+    fn = CrossTokenizerDistillationLossFn(
+        CrossTokenizerDistillationLossConfig(teacher_weights=(0.25, 0.75), **cfg),
+        projections=tuple(projection if p else None for p in projections),
+    )
     _, metrics = fn(torch.randn(rows, width, vocab, generator=g), teachers, aligns, data, *globals_for(data))
     return metrics
 
@@ -69,12 +76,14 @@ def _loss_metrics() -> list[tuple[str, dict]]:
     for case in CASES:
         data, logits = make_batch(case, [5, 3, 4, 2], 6, seed=0)
         _, metrics = wrap_loss_fn_with_input_preparation(
-            logits, data, *globals_for(data), loss_fn=case.make_loss(), prepare_fn=case.prepare(packed=False))
+            logits, data, *globals_for(data), loss_fn=case.make_loss(), prepare_fn=case.prepare(packed=False)
+        )
         out.append((case.name, metrics))
     data, logits = make_batch(CASE_BY_NAME["dpo_sft"], [5, 3, 4, 2], 6, seed=0)
     data["reward_shift"] = torch.zeros(4)
     _, metrics = wrap_loss_fn_with_input_preparation(
-        logits, data, *globals_for(data), loss_fn=MPOLossFn({"sft_loss_weight": 0.5}), prepare_fn=prepare_loss_input)
+        logits, data, *globals_for(data), loss_fn=MPOLossFn({"sft_loss_weight": 0.5}), prepare_fn=prepare_loss_input
+    )
     out.append(("mpo", metrics))
     out.append(("reward_model", PreferenceLossFn()(logits[..., :1].sum(1), data, *globals_for(data))[1]))
     for label, kwargs in [
@@ -85,13 +94,21 @@ def _loss_metrics() -> list[tuple[str, dict]]:
     ]:
         out.append((label, _cross_tokenizer_metrics(**kwargs)))
     g = torch.Generator().manual_seed(1)
-    data = {"input_ids": torch.randint(0, 9, (3, 6), generator=g), "token_mask": torch.ones(3, 6),
-            "sample_mask": torch.ones(3), "student_logits": torch.randn(3, 6, 9, generator=g)}
+    data = {
+        "input_ids": torch.randint(0, 9, (3, 6), generator=g),
+        "token_mask": torch.ones(3, 6),
+        "sample_mask": torch.ones(3),
+        "student_logits": torch.randn(3, 6, 9, generator=g),
+    }
     policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(), prepare_fn=prepare_loss_input)
     for defer in (False, True):
         wrapper = DraftLossWrapper(policy, prepare_loss_input, None, loss_weight=0.5, defer_normalization=defer)
-        out.append((f"draft_wrapper_defer={defer}", wrapper(torch.randn(3, 6, 9, generator=g), data, None,
-                                                            torch.tensor(15.0))[1]))
+        out.append(
+            (
+                f"draft_wrapper_defer={defer}",
+                wrapper(torch.randn(3, 6, 9, generator=g), data, None, torch.tensor(15.0))[1],
+            )
+        )
     return out
 
 
@@ -114,14 +131,37 @@ def test_every_key_of_every_loss_family_is_registered():
         "weight_t0": "mean",
         "weight_t1": "mean",
     }
-    assert {"kl_loss_t1", "kl_common_t0", "l1_uncommon_t1", "bco_reward_sum", "is_oob_ratio", "_draft_step_payload",
-            "seq_logprob_error_valid_seqs", "positive_nll_loss", "total_loss"} <= emitted
+    assert {
+        "kl_loss_t1",
+        "kl_common_t0",
+        "l1_uncommon_t1",
+        "bco_reward_sum",
+        "is_oob_ratio",
+        "_draft_step_payload",
+        "seq_logprob_error_valid_seqs",
+        "positive_nll_loss",
+        "total_loss",
+    } <= emitted
 
 
-DRAFT_STEP = ["model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-              "data.prompts=2", "data.group_size=2", "data.modulus=16", "data.response_median=6", "data.response_max=12",
-              "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24", "packing.rows=4", "loss=nll",
-              "compile.enabled=false", "run.micro_batches=2"]
+DRAFT_STEP = [
+    "model.vocab_size=96",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.prompts=2",
+    "data.group_size=2",
+    "data.modulus=16",
+    "data.response_median=6",
+    "data.response_max=12",
+    "data.prompt_terms_max=5",
+    "packing.tokens=32",
+    "packing.width=24",
+    "packing.rows=4",
+    "loss=nll",
+    "compile.enabled=false",
+    "run.micro_batches=2",
+]
 
 
 @pytest.mark.parametrize("draft", ["eagle3", "dflash"])
@@ -143,8 +183,10 @@ def test_every_key_of_both_drafter_runtimes_is_registered(draft):
 
 def test_an_unregistered_key_is_an_error():
     """Never summed by default: the first fragment that carries one fails, naming the key."""
-    text = ("ValueError: metric 'my_metric' has no aggregation: register it in compiled_loss.metrics (AGGREGATION, or "
-            "PATTERNS for an indexed key) as 'sum', 'mean', 'min' or 'max'")
+    text = (
+        "ValueError: metric 'my_metric' has no aggregation: register it in compiled_loss.metrics (AGGREGATION, or "
+        "PATTERNS for an indexed key) as 'sum', 'mean', 'min' or 'max'"
+    )
     assert message(combine_metrics, [{"loss": torch.tensor(1.0), "my_metric": torch.tensor(1.0)}]) == text
     assert message(aggregation, "weight_tx") == text.replace("my_metric", "weight_tx")
     assert message(combine_over, [{"my_metric": 1.0}], None) == text
@@ -159,14 +201,30 @@ def test_each_key_combines_by_its_aggregation():
     ]
     combined = combine_metrics([{k: torch.tensor(v) for k, v in p.items()} for p in parts])
     assert {k: v.item() for k, v in combined.items()} == {
-        "loss": 7.0, "kl_loss_scale": 3.0, "weight_t3": 0.5, "probs_ratio_min": 0.25, "values_max": 3.0}
+        "loss": 7.0,
+        "kl_loss_scale": 3.0,
+        "weight_t3": 0.5,
+        "probs_ratio_min": 0.25,
+        "values_max": 3.0,
+    }
     assert combine_over(parts, None) == {k: v.item() for k, v in combined.items()}
 
 
-CROSS_TOKENIZER = ["loss=cross_tokenizer", "loss.teacher_weights=[0.25,0.75]", "model.vocab_size=96",
-                   "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64", "data.prompts=4",
-                   "data.group_size=2", "data.modulus=16", "data.response_median=5", "data.response_max=12",
-                   "data.prompt_terms_max=5", "compile.enabled=false"]
+CROSS_TOKENIZER = [
+    "loss=cross_tokenizer",
+    "loss.teacher_weights=[0.25,0.75]",
+    "model.vocab_size=96",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.prompts=4",
+    "data.group_size=2",
+    "data.modulus=16",
+    "data.response_median=5",
+    "data.response_max=12",
+    "data.prompt_terms_max=5",
+    "compile.enabled=false",
+]
 # one fragment's values: the static weights (`sum`), the one-hot choice of teacher 1 (`select_teacher`)
 ONE_FRAGMENT = {
     "sum": {"kl_loss_scale": 1.0, "weight_t0": 0.25, "weight_t1": 0.75},
@@ -174,8 +232,9 @@ ONE_FRAGMENT = {
 }
 
 
-def _cross_tokenizer_step(mode: str, micro_batches: int, groups: ParallelGroups = ParallelGroups(),
-                          rows: slice = slice(None)) -> dict[str, float]:
+def _cross_tokenizer_step(
+    mode: str, micro_batches: int, groups: ParallelGroups = ParallelGroups(), rows: slice = slice(None)
+) -> dict[str, float]:
     """One step's metrics of the demo's cross-tokenizer loss (two digit teachers) on a fixed
     8-row batch (its `rows`) and init. Teacher 0's logits × 100 (confident, mostly wrong),
     teacher 1's zero (uniform): `select_teacher` picks teacher 1 in every micro-batch."""
@@ -218,11 +277,17 @@ def _on_two_replicas(rank: int, world: int) -> dict:
     """Each replica's half of the rows in 2 micro-batches (the single process's 4), then
     `combine_over` with 1 and 2 fragments, then with a key rank 0 does not carry."""
     group = dist.group.WORLD
-    out: dict = {mode: _cross_tokenizer_step(mode, 2, ParallelGroups(dp=group), slice(4 * rank, 4 * rank + 4))
-                 for mode in ONE_FRAGMENT}
-    parts = [[{"kl_loss_scale": 1.0, "loss": 1.0, "probs_ratio_min": 0.5}],
-             [{"kl_loss_scale": 2.0, "loss": 2.0, "probs_ratio_min": math.inf},
-              {"kl_loss_scale": 6.0, "loss": 4.0, "probs_ratio_min": 0.25}]]
+    out: dict = {
+        mode: _cross_tokenizer_step(mode, 2, ParallelGroups(dp=group), slice(4 * rank, 4 * rank + 4))
+        for mode in ONE_FRAGMENT
+    }
+    parts = [
+        [{"kl_loss_scale": 1.0, "loss": 1.0, "probs_ratio_min": 0.5}],
+        [
+            {"kl_loss_scale": 2.0, "loss": 2.0, "probs_ratio_min": math.inf},
+            {"kl_loss_scale": 6.0, "loss": 4.0, "probs_ratio_min": 0.25},
+        ],
+    ]
     out["uneven"] = combine_over(parts[rank], group)
     try:
         combine_over([{"my_metric": 1.0}] if rank == 1 else [], group)

@@ -74,12 +74,32 @@ TOP_P = 0.9
 DIRECTIONS = ("fwd", "fwd+bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_COLUMNS = (
-    "tokens", "vocab", "seqs", "dtype", "device", "variant", "direction", "repeat",
-    "median_ms", "min_ms", "compile_s", "peak_extra_mib", "peak_extra_rel", "logits_mib",
-    "loss", "ratio_to_a", "ratio_to_d", "status",
+    "tokens",
+    "vocab",
+    "seqs",
+    "dtype",
+    "device",
+    "variant",
+    "direction",
+    "repeat",
+    "median_ms",
+    "min_ms",
+    "compile_s",
+    "peak_extra_mib",
+    "peak_extra_rel",
+    "logits_mib",
+    "loss",
+    "ratio_to_a",
+    "ratio_to_d",
+    "status",
 )
-DEFAULTS = {"tokens": [2048, 4096, 8192, 16384], "vocab": [32000, 128000], "seqs": [8, 32],
-            "dtype": ["bf16", "fp32"], "repeat": 5}
+DEFAULTS = {
+    "tokens": [2048, 4096, 8192, 16384],
+    "vocab": [32000, 128000],
+    "seqs": [8, 32],
+    "dtype": ["bf16", "fp32"],
+    "repeat": 5,
+}
 QUICK = {"tokens": [512], "vocab": [2048], "seqs": [4], "dtype": ["bf16"], "repeat": 3}
 TARGET_SHAPE = {"tokens": 8192, "vocab": 32000, "seqs": 32}
 LOSS_RTOL = 1e-4
@@ -140,8 +160,13 @@ def make_packing(tokens: int, seqs: int, rng: random.Random) -> tuple[tuple[int,
 
 
 @torch.no_grad()
-def policy_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, cu: tuple[int, ...],
-                    cu_padded: tuple[int, ...], rows_per_chunk: int = 1024) -> torch.Tensor:
+def policy_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu: tuple[int, ...],
+    cu_padded: tuple[int, ...],
+    rows_per_chunk: int = 1024,
+) -> torch.Tensor:
     """`[B, S]` fp32 token-indexed log-probs of `input_ids` under `logits` (column 0 and
     past-length entries 0), as a trainer stores prev/generation log-probs."""
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device)
@@ -222,8 +247,9 @@ def _extremum(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> float
     return (picked.max() if largest else picked.min()).item()
 
 
-def nemo_rl_clipped_pg(lp: torch.Tensor, seq: dict[str, torch.Tensor], g_seqs: torch.Tensor,
-                       g_toks: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def nemo_rl_clipped_pg(
+    lp: torch.Tensor, seq: dict[str, torch.Tensor], g_seqs: torch.Tensor, g_toks: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
     """`ClippedPGLossFn.__call__` at GRPO defaults (ref §4.1.5) on one sequence `[1, L]`;
     every metric `.item()`-ed as the reference does."""
     tm, sm = seq["token_mask"][:, 1:], seq["sample_mask"]
@@ -252,26 +278,33 @@ def nemo_rl_clipped_pg(lp: torch.Tensor, seq: dict[str, torch.Tensor], g_seqs: t
         is_w = _nan_to_zero(torch.exp(prev - gen))
         r, rc, valid = ratio.detach(), ratio_c.detach(), mask.bool()
         kl_value = kl.item()
-        metrics.update({
-            "loss": loss.item(),
-            "probs_ratio": _masked_mean(r, mask, g_toks).item(),
-            "probs_ratio_clamped": _masked_mean(rc, mask, g_toks).item(),
-            "probs_ratio_min": _extremum(r, valid, largest=False),
-            "probs_ratio_max": _extremum(r, valid, largest=True),
-            "probs_ratio_clamped_min": _extremum(rc, valid, largest=False),
-            "probs_ratio_clamped_max": _extremum(rc, valid, largest=True),
-            "kl_penalty": kl_value / BETA if kl_value else 0.0,
-            "sampling_importance_ratio": _masked_mean(is_w, mask, g_toks).item(),
-            "num_valid_samples": sm.sum().item(),
-            "approx_entropy": -_masked_mean(torch.exp(lp.detach() - gen) * lp.detach(), mask, g_toks).item(),
-            "positive_nll_loss": 0.0,
-        })
+        metrics.update(
+            {
+                "loss": loss.item(),
+                "probs_ratio": _masked_mean(r, mask, g_toks).item(),
+                "probs_ratio_clamped": _masked_mean(rc, mask, g_toks).item(),
+                "probs_ratio_min": _extremum(r, valid, largest=False),
+                "probs_ratio_max": _extremum(r, valid, largest=True),
+                "probs_ratio_clamped_min": _extremum(rc, valid, largest=False),
+                "probs_ratio_clamped_max": _extremum(rc, valid, largest=True),
+                "kl_penalty": kl_value / BETA if kl_value else 0.0,
+                "sampling_importance_ratio": _masked_mean(is_w, mask, g_toks).item(),
+                "num_valid_samples": sm.sum().item(),
+                "approx_entropy": -_masked_mean(torch.exp(lp.detach() - gen) * lp.detach(), mask, g_toks).item(),
+                "positive_nll_loss": 0.0,
+            }
+        )
     return loss, metrics
 
 
-def nemo_rl_packed_loss(logits: torch.Tensor, data: dict[str, torch.Tensor], cu: tuple[int, ...],
-                        cu_padded: tuple[int, ...], g_seqs: torch.Tensor,
-                        g_toks: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def nemo_rl_packed_loss(
+    logits: torch.Tensor,
+    data: dict[str, torch.Tensor],
+    cu: tuple[int, ...],
+    cu_padded: tuple[int, ...],
+    g_seqs: torch.Tensor,
+    g_toks: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """`SequencePackingLossWrapper.__call__` (ref §7.2) with the plain-path
     `get_next_token_logprobs_from_logits` (ref §8.10): one iteration per sequence."""
     total = logits.new_zeros((), dtype=torch.float32)
@@ -319,13 +352,16 @@ def make_runners(variant: str, inp: Inputs) -> dict[str, Callable[[], float]]:
     variant share one compiled callable."""
     logits = inp.logits
     if variant == "d_proxy":
-        proxies = {"fwd": torch.compile(_exp_pass, fullgraph=True),
-                   "fwd+bwd": torch.compile(_exp_pass_and_write, fullgraph=True)}
+        proxies = {
+            "fwd": torch.compile(_exp_pass, fullgraph=True),
+            "fwd+bwd": torch.compile(_exp_pass_and_write, fullgraph=True),
+        }
 
         @torch.no_grad()
         def run_proxy(direction: str) -> float:
             proxies[direction](logits)
             return math.nan
+
         return {d: functools.partial(run_proxy, d) for d in DIRECTIONS}
     if variant == "lp_compiled":
         logprob = torch.compile(_packed_logprobs, fullgraph=True)
@@ -335,13 +371,16 @@ def make_runners(variant: str, inp: Inputs) -> dict[str, Callable[[], float]]:
             if backward:
                 lp.sum().backward()
             return math.nan
+
         return {d: functools.partial(run_logprob, d == "fwd+bwd") for d in DIRECTIONS}
     if variant == "a_loop":
+
         def run_loss(backward: bool) -> float:
             loss, _ = nemo_rl_packed_loss(logits, inp.data, inp.cu, inp.cu_padded, inp.g_seqs, inp.g_toks)
             if backward:
                 loss.backward()
             return loss.item()
+
         return {d: functools.partial(run_loss, d == "fwd+bwd") for d in DIRECTIONS}
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": BETA})
     prepare = prepare_packed_loss_input
@@ -357,6 +396,7 @@ def make_runners(variant: str, inp: Inputs) -> dict[str, Callable[[], float]]:
             loss.backward()
         metrics_to_python(metrics)
         return loss.item()
+
     return {d: functools.partial(run_wrapper, d == "fwd+bwd") for d in DIRECTIONS}
 
 
@@ -416,14 +456,16 @@ def measure(variant: str, shape: Shape, device: str, repeat: int) -> list[dict[s
                 times.append(time.perf_counter() - start)
         peak_extra = _peak(device) - before
         inp.logits.grad = None
-        rows.append({
-            "direction": direction,
-            "median_ms": 1e3 * statistics.median(times),
-            "min_ms": 1e3 * min(times),
-            "compile_s": first_s if variant in COMPILED else math.nan,
-            "peak_extra_bytes": peak_extra,
-            "loss": loss,
-        })
+        rows.append(
+            {
+                "direction": direction,
+                "median_ms": 1e3 * statistics.median(times),
+                "min_ms": 1e3 * min(times),
+                "compile_s": first_s if variant in COMPILED else math.nan,
+                "peak_extra_bytes": peak_extra,
+                "loss": loss,
+            }
+        )
     return rows
 
 
@@ -433,16 +475,22 @@ def measure(variant: str, shape: Shape, device: str, repeat: int) -> list[dict[s
 def run_worker(variant: str, shape: Shape, device: str, repeat: int) -> tuple[list[dict[str, Any]], str]:
     """`measure` in a fresh subprocess; returns its rows and a status ('ok' or the error)."""
     spec = json.dumps({"variant": variant, "shape": dataclasses.asdict(shape), "device": device, "repeat": repeat})
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", spec],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", spec], capture_output=True, text=True
+    )
     if proc.returncode == 0:
         return json.loads(proc.stdout.strip().splitlines()[-1]), "ok"
     lines = proc.stderr.strip().splitlines()
     reason = lines[-1] if lines else f"exit code {proc.returncode}"
     if proc.returncode < 0:
         reason = f"killed by signal {-proc.returncode} (out of memory?)"
-    failed = {"median_ms": math.nan, "min_ms": math.nan, "compile_s": math.nan,
-              "peak_extra_bytes": math.nan, "loss": math.nan}
+    failed = {
+        "median_ms": math.nan,
+        "min_ms": math.nan,
+        "compile_s": math.nan,
+        "peak_extra_bytes": math.nan,
+        "loss": math.nan,
+    }
     return [{"direction": d, **failed} for d in DIRECTIONS], f"failed: {reason}"
 
 
@@ -455,14 +503,26 @@ def shape_rows(shape: Shape, device: str, repeat: int, variants: list[str]) -> l
         results, status = run_worker(variant, shape, device, repeat)
         print(f"  {shape.label} {variant}: {status} ({time.perf_counter() - start:.0f} s)", flush=True)
         for r in results:
-            rows.append({
-                "tokens": shape.tokens, "vocab": shape.vocab, "seqs": shape.seqs, "dtype": shape.dtype,
-                "device": device, "variant": variant, "direction": r["direction"], "repeat": repeat,
-                "median_ms": r["median_ms"], "min_ms": r["min_ms"], "compile_s": r["compile_s"],
-                "peak_extra_mib": r["peak_extra_bytes"] / 2**20,
-                "peak_extra_rel": r["peak_extra_bytes"] / shape.logits_bytes,
-                "logits_mib": shape.logits_bytes / 2**20, "loss": r["loss"], "status": status,
-            })
+            rows.append(
+                {
+                    "tokens": shape.tokens,
+                    "vocab": shape.vocab,
+                    "seqs": shape.seqs,
+                    "dtype": shape.dtype,
+                    "device": device,
+                    "variant": variant,
+                    "direction": r["direction"],
+                    "repeat": repeat,
+                    "median_ms": r["median_ms"],
+                    "min_ms": r["min_ms"],
+                    "compile_s": r["compile_s"],
+                    "peak_extra_mib": r["peak_extra_bytes"] / 2**20,
+                    "peak_extra_rel": r["peak_extra_bytes"] / shape.logits_bytes,
+                    "logits_mib": shape.logits_bytes / 2**20,
+                    "loss": r["loss"],
+                    "status": status,
+                }
+            )
     for r in rows:
         ref = {v["variant"]: v["median_ms"] for v in rows if v["direction"] == r["direction"]}
         r["ratio_to_a"] = r["median_ms"] / ref.get("a_loop", math.nan)
@@ -489,32 +549,42 @@ def _variants(rows: list[dict[str, Any]]) -> list[str]:
 def print_shape_table(shape: Shape, rows: list[dict[str, Any]]) -> bool:
     """The shape's table, ratios and loss check; False if the a/b losses disagree."""
     first, variants = rows[0], _variants(rows)
-    print(f"\n{shape.label}: logits {first['logits_mib']:.0f} MiB on {first['device']}, "
-          f"median of {first['repeat']} (min in brackets)")
-    print(f"  {'variant':<12} {'fwd ms':>17} {'fwd+bwd ms':>19} {'compile s fwd / +bwd':>21} "
-          f"{'peak extra fwd':>16} {'peak extra fwd+bwd':>19}")
+    print(
+        f"\n{shape.label}: logits {first['logits_mib']:.0f} MiB on {first['device']}, "
+        f"median of {first['repeat']} (min in brackets)"
+    )
+    print(
+        f"  {'variant':<12} {'fwd ms':>17} {'fwd+bwd ms':>19} {'compile s fwd / +bwd':>21} "
+        f"{'peak extra fwd':>16} {'peak extra fwd+bwd':>19}"
+    )
     for variant in variants:
         f, fb = _pick(rows, variant, "fwd"), _pick(rows, variant, "fwd+bwd")
         compile_s = f"{f['compile_s']:.1f} / {fb['compile_s']:.1f}" if variant in COMPILED else "-"
         status = "" if f["status"] == "ok" else f["status"]
-        print(f"  {variant:<12} {f['median_ms']:>8.1f} ({f['min_ms']:>6.1f}) "
-              f"{fb['median_ms']:>9.1f} ({fb['min_ms']:>7.1f}) {compile_s:>21} "
-              f"{f['peak_extra_rel']:>6.2f}x {f['peak_extra_mib']:>6.0f} MiB"
-              f"{fb['peak_extra_rel']:>7.2f}x {fb['peak_extra_mib']:>7.0f} MiB  {status}")
+        print(
+            f"  {variant:<12} {f['median_ms']:>8.1f} ({f['min_ms']:>6.1f}) "
+            f"{fb['median_ms']:>9.1f} ({fb['min_ms']:>7.1f}) {compile_s:>21} "
+            f"{f['peak_extra_rel']:>6.2f}x {f['peak_extra_mib']:>6.0f} MiB"
+            f"{fb['peak_extra_rel']:>7.2f}x {fb['peak_extra_mib']:>7.0f} MiB  {status}"
+        )
     if not {"a_loop", "b_eager", "c_compiled", "d_proxy", "lp_compiled"} <= set(variants):
         return True
     for direction in DIRECTIONS:
         r = {v: _pick(rows, v, direction)["median_ms"] for v in variants}
-        print(f"  time ratios {direction:<8} b/a {r['b_eager'] / r['a_loop']:.3f}  "
-              f"c/a {r['c_compiled'] / r['a_loop']:.3f}  c/d {r['c_compiled'] / r['d_proxy']:.2f}  "
-              f"lp/d {r['lp_compiled'] / r['d_proxy']:.2f}   (speed-up a/c {r['a_loop'] / r['c_compiled']:.1f}x)")
+        print(
+            f"  time ratios {direction:<8} b/a {r['b_eager'] / r['a_loop']:.3f}  "
+            f"c/a {r['c_compiled'] / r['a_loop']:.3f}  c/d {r['c_compiled'] / r['d_proxy']:.2f}  "
+            f"lp/d {r['lp_compiled'] / r['d_proxy']:.2f}   (speed-up a/c {r['a_loop'] / r['c_compiled']:.1f}x)"
+        )
     agree = True
     for direction in DIRECTIONS:
         a, b, c = (_pick(rows, v, direction)["loss"] for v in ("a_loop", "b_eager", "c_compiled"))
         ok = math.isnan(a) or math.isnan(b) or _rel_diff(a, b) <= LOSS_RTOL  # NaN: a worker failed
         agree = agree and ok
-        print(f"  loss {direction:<8} a {a:.8f}  b {b:.8f}  c {c:.8f}  |a-b|/|b| {_rel_diff(a, b):.1e} "
-              f"({'ok' if ok else 'MISMATCH'} at {LOSS_RTOL:g})  |c-b|/|b| {_rel_diff(c, b):.1e}")
+        print(
+            f"  loss {direction:<8} a {a:.8f}  b {b:.8f}  c {c:.8f}  |a-b|/|b| {_rel_diff(a, b):.1e} "
+            f"({'ok' if ok else 'MISMATCH'} at {LOSS_RTOL:g})  |c-b|/|b| {_rel_diff(c, b):.1e}"
+        )
     return agree
 
 
@@ -522,31 +592,43 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
     """The targets over every shape run (worst case; the speed-up only at its shape)."""
     print("\ntargets:")
     speedups = [
-        (r["ratio_to_a"], r) for r in rows
-        if r["variant"] == "c_compiled" and r["direction"] == "fwd+bwd"
-        and all(r[k] == v for k, v in TARGET_SHAPE.items()) and not math.isnan(r["ratio_to_a"])
+        (r["ratio_to_a"], r)
+        for r in rows
+        if r["variant"] == "c_compiled"
+        and r["direction"] == "fwd+bwd"
+        and all(r[k] == v for k, v in TARGET_SHAPE.items())
+        and not math.isnan(r["ratio_to_a"])
     ]
     if speedups:
         ratio, r = max(speedups, key=lambda x: x[0])
-        print(f"  [{_mark(1 / ratio >= 5)}] compiled fused ClippedPG fwd+bwd >= 5x faster than a_loop "
-              f"(32 seqs, T=8192, V=32000): {1 / ratio:.2f}x ({r['dtype']}, worst of {len(speedups)})")
+        print(
+            f"  [{_mark(1 / ratio >= 5)}] compiled fused ClippedPG fwd+bwd >= 5x faster than a_loop "
+            f"(32 seqs, T=8192, V=32000): {1 / ratio:.2f}x ({r['dtype']}, worst of {len(speedups)})"
+        )
     else:
-        print("  [n/a] compiled fused ClippedPG fwd+bwd >= 5x faster than a_loop: shape "
-              "T=8192 V=32000 seqs=32 (with a_loop) not in this run")
-    lp = [r for r in rows if r["variant"] == "lp_compiled" and r["direction"] == "fwd"
-          and not math.isnan(r["ratio_to_d"])]
+        print(
+            "  [n/a] compiled fused ClippedPG fwd+bwd >= 5x faster than a_loop: shape "
+            "T=8192 V=32000 seqs=32 (with a_loop) not in this run"
+        )
+    lp = [
+        r for r in rows if r["variant"] == "lp_compiled" and r["direction"] == "fwd" and not math.isnan(r["ratio_to_d"])
+    ]
     if lp:
         worst = max(lp, key=lambda r: r["ratio_to_d"])
-        print(f"  [{_mark(1 / worst['ratio_to_d'] >= 0.9)}] compiled logprob >= 0.9x the speed of the "
-              f"machine's limit (fwd): {1 / worst['ratio_to_d']:.2f}x (worst: T={worst['tokens']} "
-              f"V={worst['vocab']} seqs={worst['seqs']} {worst['dtype']})")
+        print(
+            f"  [{_mark(1 / worst['ratio_to_d'] >= 0.9)}] compiled logprob >= 0.9x the speed of the "
+            f"machine's limit (fwd): {1 / worst['ratio_to_d']:.2f}x (worst: T={worst['tokens']} "
+            f"V={worst['vocab']} seqs={worst['seqs']} {worst['dtype']})"
+        )
     for variant, what in (("c_compiled", "compiled loss"), ("c_topp", f"compiled loss with top_p={TOP_P}")):
         mem = [r for r in rows if r["variant"] == variant]
         if mem:
             worst = max(mem, key=lambda r: r["peak_extra_rel"])
-            print(f"  [{_mark(worst['peak_extra_rel'] <= 1.25)}] {what} peak extra memory <= 1.25x one "
-                  f"logits copy: {worst['peak_extra_rel']:.2f}x (worst: {worst['direction']}, T={worst['tokens']} "
-                  f"V={worst['vocab']} seqs={worst['seqs']} {worst['dtype']})")
+            print(
+                f"  [{_mark(worst['peak_extra_rel'] <= 1.25)}] {what} peak extra memory <= 1.25x one "
+                f"logits copy: {worst['peak_extra_rel']:.2f}x (worst: {worst['direction']}, T={worst['tokens']} "
+                f"V={worst['vocab']} seqs={worst['seqs']} {worst['dtype']})"
+            )
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -570,15 +652,26 @@ def write_plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
     shapes = list(dict.fromkeys((r["tokens"], r["vocab"], r["seqs"], r["dtype"]) for r in rows))
     labels = [f"T={t}\nV={v}\n{s} seqs\n{d}" for t, v, s, d in shapes]
-    panels = [("fwd", "median_ms", "fwd time (ms)"), ("fwd+bwd", "median_ms", "fwd+bwd time (ms)"),
-              ("fwd+bwd", "peak_extra_rel", "fwd+bwd peak extra (x logits)")]
+    panels = [
+        ("fwd", "median_ms", "fwd time (ms)"),
+        ("fwd+bwd", "median_ms", "fwd+bwd time (ms)"),
+        ("fwd+bwd", "peak_extra_rel", "fwd+bwd peak extra (x logits)"),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(6 + 2.5 * len(shapes), 4.5))
     variants = _variants(rows)
     width = 0.8 / len(variants)
     for ax, (direction, key, title) in zip(axes, panels):
         for j, variant in enumerate(variants):
-            values = [next(r[key] for r in rows if (r["tokens"], r["vocab"], r["seqs"], r["dtype"]) == s
-                           and r["variant"] == variant and r["direction"] == direction) for s in shapes]
+            values = [
+                next(
+                    r[key]
+                    for r in rows
+                    if (r["tokens"], r["vocab"], r["seqs"], r["dtype"]) == s
+                    and r["variant"] == variant
+                    and r["direction"] == direction
+                )
+                for s in shapes
+            ]
             ax.bar([i + j * width for i in range(len(shapes))], values, width, label=variant)
         ax.set_title(title)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], labels, fontsize=7)
@@ -598,8 +691,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, nargs="+", help=f"sequences per pack (default {DEFAULTS['seqs']})")
     p.add_argument("--dtype", choices=sorted(DTYPES), nargs="+", help=f"logits dtype (default {DEFAULTS['dtype']})")
     p.add_argument("--repeat", type=int, help=f"timed calls per measurement (default {DEFAULTS['repeat']})")
-    p.add_argument("--variants", choices=VARIANTS, nargs="+", default=list(VARIANTS),
-                   help="variants to run (default: all)")
+    p.add_argument(
+        "--variants", choices=VARIANTS, nargs="+", default=list(VARIANTS), help="variants to run (default: all)"
+    )
     p.add_argument("--quick", action="store_true", help=f"CI-sized preset {QUICK} (explicit flags win)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default bench_out/)")
@@ -631,9 +725,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(spec["variant"], Shape(**spec["shape"]), spec["device"], spec["repeat"])))
         return
     shapes = [Shape(t, v, s, d) for d in args.dtype for v in args.vocab for t in args.tokens for s in args.seqs]
-    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "
-          f"{len(shapes)} shape(s) x {len(args.variants)} variants, one subprocess each; "
-          f"load average {os.getloadavg()[0]:.2f} (timings assume an otherwise idle machine)")
+    print(
+        f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "
+        f"{len(shapes)} shape(s) x {len(args.variants)} variants, one subprocess each; "
+        f"load average {os.getloadavg()[0]:.2f} (timings assume an otherwise idle machine)"
+    )
     rows, mismatches = [], []
     for shape in shapes:
         rows_of_shape = shape_rows(shape, args.device, args.repeat, args.variants)

@@ -55,12 +55,33 @@ from compiled_loss.wrapper import wrap_loss_fn_with_input_preparation
 
 VARIANTS = ("floor", "eager", "unfused", "fused", "liger")
 COMPILED = ("unfused", "fused", "liger")
-DEFAULTS = {"batch": [4], "seq": [512], "hidden": [256, 1024], "vocab": [32000, 128256], "dtype": ["fp32"],
-            "repeat": 3, "chunk": 1024}
+DEFAULTS = {
+    "batch": [4],
+    "seq": [512],
+    "hidden": [256, 1024],
+    "vocab": [32000, 128256],
+    "dtype": ["fp32"],
+    "repeat": 3,
+    "chunk": 1024,
+}
 LOSS_RTOL = 1e-4
 SEED = 0
-CSV_COLUMNS = ("batch", "seq", "hidden", "vocab", "dtype", "chunk", "variant", "repeat", "median_ms", "min_ms",
-               "compile_s", "peak_extra_mib", "loss", "status")
+CSV_COLUMNS = (
+    "batch",
+    "seq",
+    "hidden",
+    "vocab",
+    "dtype",
+    "chunk",
+    "variant",
+    "repeat",
+    "median_ms",
+    "min_ms",
+    "compile_s",
+    "peak_extra_mib",
+    "loss",
+    "status",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +149,14 @@ LOSS_FN = ClippedPGLossFn({"reference_policy_kl_penalty": BETA})
 
 
 def _clipped_pg(logits: torch.Tensor | LinearLogits, data: dict[str, torch.Tensor], g_seqs, g_toks, chunk=None):
-    return wrap_loss_fn_with_input_preparation(logits, data, g_seqs, g_toks, loss_fn=LOSS_FN,
-                                               prepare_fn=functools.partial(prepare_loss_input, chunk_size=chunk))
+    return wrap_loss_fn_with_input_preparation(
+        logits,
+        data,
+        g_seqs,
+        g_toks,
+        loss_fn=LOSS_FN,
+        prepare_fn=functools.partial(prepare_loss_input, chunk_size=chunk),
+    )
 
 
 def _fused(hidden, weight, data, g_seqs, g_toks, *, chunk: int):
@@ -149,28 +176,41 @@ def make_runner(variant: str, inp: Inputs, shape: Shape) -> Callable[[], float]:
             grad @ w  # noqa: B018 - timed for its cost
             grad.t() @ rows  # noqa: B018
             return math.nan
+
         return floor
     if variant == "eager":
+
         def eager() -> float:
             logits = torch.nn.functional.linear(h, w)
             lp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
             loss, _ = nemo_rl_clipped_pg(lp, data, inp.g_seqs, inp.g_toks)
             loss.backward()
             return loss.item()
+
         return eager
     if variant == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-        liger = LigerFusedLinearGRPOLoss(beta=BETA, epsilon_low=CLIP_EPS, epsilon_high=CLIP_EPS, loss_type="bnpo",
-                                         compiled=True, use_ref_model=True, chunk_size=1)
+        liger = LigerFusedLinearGRPOLoss(
+            beta=BETA,
+            epsilon_low=CLIP_EPS,
+            epsilon_high=CLIP_EPS,
+            loss_type="bnpo",
+            compiled=True,
+            use_ref_model=True,
+            chunk_size=1,
+        )
         mask = data["token_mask"][:, 1:]
-        kwargs = dict(ref_per_token_logps=data["reference_policy_logprobs"][:, 1:],
-                      old_per_token_logps=data["prev_logprobs"][:, 1:])
+        kwargs = dict(
+            ref_per_token_logps=data["reference_policy_logprobs"][:, 1:],
+            old_per_token_logps=data["prev_logprobs"][:, 1:],
+        )
 
         def run_liger() -> float:
             loss, *_ = liger(h[:, :-1], w, data["input_ids"][:, 1:], mask, data["advantages"][:, 0], **kwargs)
             loss.backward()
             return loss.item()
+
         return run_liger
     if variant == "unfused":
         loss_fn = torch.compile(_clipped_pg, fullgraph=True)
@@ -180,6 +220,7 @@ def make_runner(variant: str, inp: Inputs, shape: Shape) -> Callable[[], float]:
             loss.backward()
             metrics_to_python(metrics)
             return loss.item()
+
         return unfused
     fused_fn = torch.compile(functools.partial(_fused, chunk=shape.chunk), fullgraph=True)
 
@@ -188,6 +229,7 @@ def make_runner(variant: str, inp: Inputs, shape: Shape) -> Callable[[], float]:
         loss.backward()
         metrics_to_python(metrics)
         return loss.item()
+
     return fused
 
 
@@ -212,22 +254,33 @@ def measure(variant: str, shape: Shape, repeat: int) -> dict[str, Any]:
         _synchronize("cpu")
         times.append(time.perf_counter() - start)
     peak_extra = _peak("cpu") - before
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-            "compile_s": first_s if variant in COMPILED else math.nan, "peak_extra_bytes": peak_extra, "loss": loss}
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "min_ms": 1e3 * min(times),
+        "compile_s": first_s if variant in COMPILED else math.nan,
+        "peak_extra_bytes": peak_extra,
+        "loss": loss,
+    }
 
 
 def run_worker(variant: str, shape: Shape, repeat: int) -> tuple[dict[str, Any], str]:
     spec = json.dumps({"variant": variant, "shape": dataclasses.asdict(shape), "repeat": repeat})
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", spec],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", spec], capture_output=True, text=True
+    )
     if proc.returncode == 0:
         return json.loads(proc.stdout.strip().splitlines()[-1]), "ok"
     lines = proc.stderr.strip().splitlines()
     reason = lines[-1] if lines else f"exit code {proc.returncode}"
     if proc.returncode < 0:
         reason = f"killed by signal {-proc.returncode} (out of memory?)"
-    return {"median_ms": math.nan, "min_ms": math.nan, "compile_s": math.nan, "peak_extra_bytes": math.nan,
-            "loss": math.nan}, f"failed: {reason}"
+    return {
+        "median_ms": math.nan,
+        "min_ms": math.nan,
+        "compile_s": math.nan,
+        "peak_extra_bytes": math.nan,
+        "loss": math.nan,
+    }, f"failed: {reason}"
 
 
 def print_shape(shape: Shape, rows: dict[str, dict[str, Any]]) -> bool:
@@ -237,9 +290,11 @@ def print_shape(shape: Shape, rows: dict[str, dict[str, Any]]) -> bool:
     floor = rows.get("floor", {}).get("median_ms", math.nan)
     for variant, r in rows.items():
         compile_s = f"{r['compile_s']:.1f}" if variant in COMPILED else "-"
-        print(f"  {variant:<8} {r['median_ms']:>9.1f} ({r['min_ms']:>6.1f}) {r['median_ms'] / floor:>8.2f} "
-              f"{compile_s:>10} {r['peak_extra_bytes'] / 2**20:>15.0f}  {r['loss']:.6f}"
-              f"{'' if r['status'] == 'ok' else '  ' + r['status']}")
+        print(
+            f"  {variant:<8} {r['median_ms']:>9.1f} ({r['min_ms']:>6.1f}) {r['median_ms'] / floor:>8.2f} "
+            f"{compile_s:>10} {r['peak_extra_bytes'] / 2**20:>15.0f}  {r['loss']:.6f}"
+            f"{'' if r['status'] == 'ok' else '  ' + r['status']}"
+        )
     agree = True
     if "eager" in rows:
         for variant in ("unfused", "fused", "liger"):
@@ -253,32 +308,50 @@ def print_shape(shape: Shape, rows: dict[str, dict[str, Any]]) -> bool:
     checks = []
     if "liger" in rows:
         liger = rows["liger"]
-        checks.append((fused["median_ms"] <= 0.9 * liger["median_ms"],
-                       f"fused time <= 0.9x liger: {fused['median_ms'] / liger['median_ms']:.2f}x"))
-        checks.append((fused["peak_extra_bytes"] <= liger["peak_extra_bytes"],
-                       f"fused peak memory <= liger's: {fused['peak_extra_bytes'] / 2**20:.0f} vs "
-                       f"{liger['peak_extra_bytes'] / 2**20:.0f} MiB"))
+        checks.append(
+            (
+                fused["median_ms"] <= 0.9 * liger["median_ms"],
+                f"fused time <= 0.9x liger: {fused['median_ms'] / liger['median_ms']:.2f}x",
+            )
+        )
+        checks.append(
+            (
+                fused["peak_extra_bytes"] <= liger["peak_extra_bytes"],
+                f"fused peak memory <= liger's: {fused['peak_extra_bytes'] / 2**20:.0f} vs "
+                f"{liger['peak_extra_bytes'] / 2**20:.0f} MiB",
+            )
+        )
     if "floor" in rows:
         ratio = fused["median_ms"] / floor
         checks.append((ratio <= 1.4, f"fused time <= 1.4x floor: {ratio:.2f}x"))
     if "unfused" in rows:
         ratio = fused["median_ms"] / rows["unfused"]["median_ms"]
         checks.append((ratio <= 1.1, f"fused time <= 1.1x unfused: {ratio:.2f}x"))
-    checks.append((fused["peak_extra_bytes"] <= shape.fused_budget_bytes,
-                   f"fused peak extra <= dW + dH + 2 fp32 chunks ({shape.fused_budget_bytes / 2**20:.0f} MiB): "
-                   f"{fused['peak_extra_bytes'] / 2**20:.0f} MiB"))
+    checks.append(
+        (
+            fused["peak_extra_bytes"] <= shape.fused_budget_bytes,
+            f"fused peak extra <= dW + dH + 2 fp32 chunks ({shape.fused_budget_bytes / 2**20:.0f} MiB): "
+            f"{fused['peak_extra_bytes'] / 2**20:.0f} MiB",
+        )
+    )
     for ok, what in checks:
         print(f"  [{_mark(ok)}] {what}")
     return agree
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tools/bench.py head", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    for key, help_text in (("batch", "rows B"), ("seq", "predicted positions per row T"), ("hidden", "hidden size H"),
-                           ("vocab", "vocabulary V")):
-        p.add_argument(f"--{key}", type=int, nargs="+", default=DEFAULTS[key],
-                       help=f"{help_text} (default %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="tools/bench.py head", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for key, help_text in (
+        ("batch", "rows B"),
+        ("seq", "predicted positions per row T"),
+        ("hidden", "hidden size H"),
+        ("vocab", "vocabulary V"),
+    ):
+        p.add_argument(
+            f"--{key}", type=int, nargs="+", default=DEFAULTS[key], help=f"{help_text} (default %(default)s)"
+        )
     p.add_argument("--dtype", choices=sorted(DTYPES), nargs="+", default=DEFAULTS["dtype"])
     p.add_argument("--chunk", type=int, default=DEFAULTS["chunk"], help="fused rows per chunk (default %(default)s)")
     p.add_argument("--repeat", type=int, default=DEFAULTS["repeat"], help="timed calls (default %(default)s)")
@@ -294,19 +367,34 @@ def main(argv: list[str] | None = None) -> None:
         spec = json.loads(args.worker)
         print(json.dumps(measure(spec["variant"], Shape(**spec["shape"]), spec["repeat"])))
         return
-    shapes = [Shape(b, t, h, v, d, args.chunk) for d in args.dtype for v in args.vocab for h in args.hidden
-              for t in args.seq for b in args.batch]
-    print(f"torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, {len(shapes)} shape(s) x "
-          f"{len(args.variants)} variants, one subprocess each; load average {os.getloadavg()[0]:.2f}")
+    shapes = [
+        Shape(b, t, h, v, d, args.chunk)
+        for d in args.dtype
+        for v in args.vocab
+        for h in args.hidden
+        for t in args.seq
+        for b in args.batch
+    ]
+    print(
+        f"torch {torch.__version__}, cpu, {torch.get_num_threads()} threads, {len(shapes)} shape(s) x "
+        f"{len(args.variants)} variants, one subprocess each; load average {os.getloadavg()[0]:.2f}"
+    )
     table, mismatches = [], []
     for shape in shapes:
         rows = {}
         for variant in args.variants:
             result, status = run_worker(variant, shape, args.repeat)
             rows[variant] = {**result, "status": status}
-            table.append({**dataclasses.asdict(shape), "variant": variant, "repeat": args.repeat,
-                          "peak_extra_mib": result["peak_extra_bytes"] / 2**20, "status": status,
-                          **{k: result[k] for k in ("median_ms", "min_ms", "compile_s", "loss")}})
+            table.append(
+                {
+                    **dataclasses.asdict(shape),
+                    "variant": variant,
+                    "repeat": args.repeat,
+                    "peak_extra_mib": result["peak_extra_bytes"] / 2**20,
+                    "status": status,
+                    **{k: result[k] for k in ("median_ms", "min_ms", "compile_s", "loss")},
+                }
+            )
         if not print_shape(shape, rows):
             mismatches.append(shape.label)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -76,9 +76,18 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Small model / data sizes: what is audited is tracing, not speed.
 _SIZES = [
-    "model.vocab_size=256", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=160",
-    "data.prompts=4", "data.group_size=4", "data.modulus=32", "data.teacher_topk=8",
-    "packing.tokens=128", "packing.rows=4", "packing.width=64", "run.micro_batches=2",
+    "model.vocab_size=256",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=160",
+    "data.prompts=4",
+    "data.group_size=4",
+    "data.modulus=32",
+    "data.teacher_topk=8",
+    "packing.tokens=128",
+    "packing.rows=4",
+    "packing.width=64",
+    "run.micro_batches=2",
 ]
 
 
@@ -117,9 +126,15 @@ class Drive:
         }
 
 
-def drive(name: str, fn: Callable[..., Any], samples: Iterable[tuple[Any, Any, Any]], backend: str,
-          fullgraph: bool = True, dynamic: bool | None = None,
-          after: Callable[[Any], None] | None = None) -> Drive:
+def drive(
+    name: str,
+    fn: Callable[..., Any],
+    samples: Iterable[tuple[Any, Any, Any]],
+    backend: str,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    after: Callable[[Any], None] | None = None,
+) -> Drive:
     """Compile `fn` with a recorder and call it on `(bucket, args, kwargs)` samples;
     `after(output)` runs on each result (e.g. the backward)."""
     torch._dynamo.reset()
@@ -158,13 +173,22 @@ def _variant(loss: str, opts: dict[str, list[str]]) -> tuple[list[str], str]:
     return overrides, suffix
 
 
-def _config(loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int, sizes=(1, 1, 1),
-            variant: list[str] = ()):
+def _config(
+    loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int, sizes=(1, 1, 1), variant: list[str] = ()
+):
     from compiled_loss.app import compose_config
 
-    overrides = [f"loss={loss}", f"packing={packing}", f"draft={draft}", f"compile.backend={backend}",
-                 f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}", f"run.steps={steps}", *_SIZES,
-                 *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes)), *variant]
+    overrides = [
+        f"loss={loss}",
+        f"packing={packing}",
+        f"draft={draft}",
+        f"compile.backend={backend}",
+        f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}",
+        f"run.steps={steps}",
+        *_SIZES,
+        *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes)),
+        *variant,
+    ]
     return compose_config(*overrides)
 
 
@@ -236,10 +260,12 @@ def _wrapper_call(logits, data, loss_fn, prepare_fn, layout, fused: bool = False
     g_toks = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
     if layout is None:
         loss, metrics = wrap_loss_fn_with_input_preparation(
-            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn)
+            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn
+        )
     else:
         loss, metrics = sequence_packing_loss(
-            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, layout=layout, fused=fused)
+            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, layout=layout, fused=fused
+        )
     return loss, metrics
 
 
@@ -270,8 +296,14 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
     warm: list[float] = []
     for i in range(cfg.run.steps):
         batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
-        batch = rollout(replica_rows(batch, dp, groups.dp_rank), family, policy=model, reference=reference,
-                        teacher=reference, topk=cfg.data.teacher_topk)
+        batch = rollout(
+            replica_rows(batch, dp, groups.dp_rank),
+            family,
+            policy=model,
+            reference=reference,
+            teacher=reference,
+            topk=cfg.data.teacher_topk,
+        )
         seen = set(step.buckets)
         before = [r.report.compiles for r in results]
         outcome = step(batch)
@@ -298,19 +330,25 @@ def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[tuple[s
     else:
         choices = [opts.get(d, list(every)) for d, every in zip(dims, (LOSSES, PACKINGS, DRAFTS, DTYPES))]
         # a drafter reads the policy's logits: the value loss trains without one
-        rows = [row + (backend or "inductor",) for row in itertools.product(*choices)
-                if row[0] != "mse_value" or row[2] == "none"]
+        rows = [
+            row + (backend or "inductor",)
+            for row in itertools.product(*choices)
+            if row[0] != "mse_value" or row[2] == "none"
+        ]
         batches, steps = 200, 20
     if opts.get("head") == ["linear"]:  # the fused LM head: no value head, OPD or drafter (they read the logits)
         rows = [row for row in rows if row[0] not in ("mse_value", "opd_full") and row[2] == "none"]
     if not rows:
-        raise SystemExit("no configuration to audit: loss=mse_value takes no drafter and no head=linear, and "
-                         "head=linear takes no drafter")
+        raise SystemExit(
+            "no configuration to audit: loss=mse_value takes no drafter and no head=linear, and "
+            "head=linear takes no drafter"
+        )
     return rows, batches, steps
 
 
-def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int,
-                 opts: dict[str, list[str]] | None = None) -> list[Drive]:
+def audit_matrix(
+    rows: list[tuple[str, ...]], batches: int, steps: int, opts: dict[str, list[str]] | None = None
+) -> list[Drive]:
     drives = []
     for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
         variant, suffix = _variant(loss, opts or {})
@@ -320,8 +358,16 @@ def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int,
         found = []
         if draft == "none":  # the wrapper does not read the drafter: audited once per loss / packing / dtype
             samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
-            found.append(drive(f"{label} wrapper", _wrapper_call, samples, backend, dynamic=cfg.compile.dynamic,
-                               after=lambda out: out[0].backward()))
+            found.append(
+                drive(
+                    f"{label} wrapper",
+                    _wrapper_call,
+                    samples,
+                    backend,
+                    dynamic=cfg.compile.dynamic,
+                    after=lambda out: out[0].backward(),
+                )
+            )
         if steps:
             found += _audit_step(cfg, f"{label} step", seed=len(drives))
         for d in found:
@@ -330,8 +376,9 @@ def audit_matrix(rows: list[tuple[str, ...]], batches: int, steps: int,
     return drives
 
 
-def audit_distributed(rows: list[tuple[str, ...]], steps: int, sizes: tuple[int, int, int],
-                      opts: dict[str, list[str]] | None = None) -> list[Drive]:
+def audit_distributed(
+    rows: list[tuple[str, ...]], steps: int, sizes: tuple[int, int, int], opts: dict[str, list[str]] | None = None
+) -> list[Drive]:
     """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp)
     groups; every rank returns every rank's drives (the step's loss graph, and the model,
     which compiles apart around DDP), labelled with their rank."""
@@ -389,26 +436,34 @@ def _line(d: Drive) -> str:
     r = d.row()
     status = "ok" if not r["failures"] else "FAIL"
     warm = "-" if r["warm_ms"] is None else f"{r['warm_ms']:.2f}"
-    return (f"{r['name']:<44} {r['calls']:>5} {r['graphs']:>6} {len(r['graph_breaks']):>6} {len(r['syncs']):>5} "
-            f"{len(r['eager_fallbacks']):>6} {r['compiles']:>8} {len(r['recompiles']):>10} {r['buckets']:>7} "
-            f"{r['compile_s']:>9.2f} {warm:>9}  {status}")
+    return (
+        f"{r['name']:<44} {r['calls']:>5} {r['graphs']:>6} {len(r['graph_breaks']):>6} {len(r['syncs']):>5} "
+        f"{len(r['eager_fallbacks']):>6} {r['compiles']:>8} {len(r['recompiles']):>10} {r['buckets']:>7} "
+        f"{r['compile_s']:>9.2f} {warm:>9}  {status}"
+    )
 
 
-HEADER = (f"{'configuration':<44} {'calls':>5} {'graphs':>6} {'breaks':>6} {'syncs':>5} {'eager':>6} "
-          f"{'compiles':>8} {'recompiles':>10} {'buckets':>7} {'compile_s':>9} {'warm_ms':>9}  status")
+HEADER = (
+    f"{'configuration':<44} {'calls':>5} {'graphs':>6} {'breaks':>6} {'syncs':>5} {'eager':>6} "
+    f"{'compiles':>8} {'recompiles':>10} {'buckets':>7} {'compile_s':>9} {'warm_ms':>9}  status"
+)
 
 
 def markdown(drives: list[Drive]) -> str:
-    lines = ["# compiled_loss compile audit", "",
-             "| configuration | calls | graphs | breaks | syncs | eager fallbacks | compiles | recompiles "
-             "| buckets | compile s | warm ms | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# compiled_loss compile audit",
+        "",
+        "| configuration | calls | graphs | breaks | syncs | eager fallbacks | compiles | recompiles "
+        "| buckets | compile s | warm ms | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for d in drives:
         r = d.row()
         lines.append(
             f"| {r['name']} | {r['calls']} | {r['graphs']} | {len(r['graph_breaks'])} | {len(r['syncs'])} | "
             f"{len(r['eager_fallbacks'])} | {r['compiles']} | {len(r['recompiles'])} | {r['buckets']} | "
-            f"{r['compile_s']} | {r['warm_ms']} | {'ok' if not r['failures'] else 'FAIL'} |")
+            f"{r['compile_s']} | {r['warm_ms']} | {'ok' if not r['failures'] else 'FAIL'} |"
+        )
     failing = [d for d in drives if d.failures()]
     if failing:
         lines += ["", "## Failures", ""]
@@ -423,15 +478,22 @@ def markdown(drives: list[Drive]) -> str:
 
 
 def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
-    allowed = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES, "head": ("logits", "linear"),
-               "metrics": ("full", "minimal")}
+    allowed = {
+        "loss": LOSSES,
+        "packing": PACKINGS,
+        "draft": DRAFTS,
+        "dtype": DTYPES,
+        "head": ("logits", "linear"),
+        "metrics": ("full", "minimal"),
+    }
     scalars = ("batches", "steps", "backend", "tp", "cp", "dp")
     out: dict[str, list[str]] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in (*allowed, *scalars):
             raise SystemExit(
-                f"bad override {item!r}: expected key=value[,value...] with key in {sorted((*allowed, *scalars))}")
+                f"bad override {item!r}: expected key=value[,value...] with key in {sorted((*allowed, *scalars))}"
+            )
         values = value.split(",")
         if key in allowed:
             bad = [v for v in values if v not in allowed[key]]
@@ -446,13 +508,17 @@ def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="compiled-loss-audit", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="compiled-loss-audit",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
-        "overrides", nargs="*",
+        "overrides",
+        nargs="*",
         help="loss=…, packing=…, draft=…, dtype=…, head=logits|linear, metrics=full|minimal, batches=N, steps=N, "
-             "backend=…; tp=N cp=N "
-             "dp=N under torchrun",
+        "backend=…; tp=N cp=N "
+        "dp=N under torchrun",
     )
     parser.add_argument("--target", help="audit a callable instead: package.module:function")
     parser.add_argument("--inputs", help="with --target: package.module:factory returning (args, kwargs) samples")
@@ -479,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(_line(d), flush=True)
     else:
         rows, batches, steps = configurations(opts, args.full)
-        drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]),
-                              opts)
+        drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]), opts)
     failing = [d for d in drives if d.failures()]
     if not lead:
         return 1 if failing else 0

@@ -143,8 +143,9 @@ class LogprobConfig:
             self.sampling_params()
         except ValueError as e:
             raise ValueError(f"logprob: {e}") from None
-        check_factor("logprob.temperature", self.temperature, "the logits and their gradient are scaled by "
-                     "1/temperature")
+        check_factor(
+            "logprob.temperature", self.temperature, "the logits and their gradient are scaled by 1/temperature"
+        )
         if self.chunk_size is not None:
             _at_least(self, "logprob", 1, "chunk_size")
 
@@ -227,9 +228,11 @@ class RunConfig:
         _at_least(self, "run", 1, "steps", "micro_batches", "log_every")
         _at_least(self, "run", 0, "sft_steps", "save_every", "keep_last")
         total = self.sft_steps + self.steps
-        for name, larger in (("log_every", "prints the last step's line only"),
-                             ("save_every", "writes after the last step only"),
-                             ("keep_last", "keeps every checkpoint: a run writes at most one per step")):
+        for name, larger in (
+            ("log_every", "prints the last step's line only"),
+            ("save_every", "writes after the last step only"),
+            ("keep_last", "keeps every checkpoint: a run writes at most one per step"),
+        ):
             value = getattr(self, name)
             require(
                 value <= total,
@@ -260,8 +263,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _fields(self, "model")
-        _at_least(self, "model", 1, "vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_ratio",
-                  "max_positions")
+        _at_least(
+            self, "model", 1, "vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "max_positions"
+        )
         require(
             self.hidden_size % self.num_heads == 0,
             f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})",
@@ -312,8 +316,18 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _fields(self, "data")
-        _at_least(self, "data", 1, "prompts", "group_size", "prompt_terms_min", "response_max", "modulus",
-                  "max_stride", "teacher_topk")
+        _at_least(
+            self,
+            "data",
+            1,
+            "prompts",
+            "group_size",
+            "prompt_terms_min",
+            "response_max",
+            "modulus",
+            "max_stride",
+            "teacher_topk",
+        )
         require(
             self.prompt_terms_max >= self.prompt_terms_min,
             f"data.prompt_terms_max ({self.prompt_terms_max}) must be >= data.prompt_terms_min "

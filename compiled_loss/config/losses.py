@@ -56,7 +56,9 @@ LOSS_KINDS: dict[type, tuple[type, type | None, Family]] = {
     MpoLossOption: (MPOLossFn, MPOLossConfig, "dpo"),
     DistillationLossOption: (DistillationLossFn, DistillationLossConfig, "distillation"),
     CrossTokenizerLossOption: (
-        CrossTokenizerDistillationLossFn, CrossTokenizerDistillationLossConfig, "cross_tokenizer"
+        CrossTokenizerDistillationLossFn,
+        CrossTokenizerDistillationLossConfig,
+        "cross_tokenizer",
     ),
     MseValueLossOption: (MseValueLossFn, MseValueLossConfig, "value"),
     OpdFullLossOption: (ClippedPGLossFn, ClippedPGLossConfig, "opd_full"),

@@ -26,8 +26,9 @@ def _option_type(annotation: Any, name: str, module: str) -> Any:
     return annotation
 
 
-def option_class(kind: str, config_cls: type | tuple[type, ...] | None, class_name: str, module: str,
-                 *extra: tuple[str, Any, Any]) -> type:
+def option_class(
+    kind: str, config_cls: type | tuple[type, ...] | None, class_name: str, module: str, *extra: tuple[str, Any, Any]
+) -> type:
     """The option dataclass `class_name` (defined in `module`) of a kind: `name` (= `kind`),
     every field of `config_cls` (of each class, when a tuple) with its default, then the
     `extra` (name, type, default)."""
@@ -37,8 +38,14 @@ def option_class(kind: str, config_cls: type | tuple[type, ...] | None, class_na
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             option_type = _option_type(hints[f.name], f"{cls.__name__}_{f.name}", module)
-            enum_cls = next((a for a in (option_type, *typing.get_args(option_type))
-                             if isinstance(a, type) and issubclass(a, enum.Enum)), None)
+            enum_cls = next(
+                (
+                    a
+                    for a in (option_type, *typing.get_args(option_type))
+                    if isinstance(a, type) and issubclass(a, enum.Enum)
+                ),
+                None,
+            )
             default = enum_cls(f.default) if enum_cls is not None and f.default is not None else f.default
             fields.append((f.name, option_type, dataclasses.field(default=default)))
     fields += [(n, t, dataclasses.field(default=d)) for n, t, d in extra]

@@ -191,8 +191,11 @@ class Config:
         """The most tokens one sequence of the data holds (`DataConfig.max_length`) and the keys
         that give it."""
         data = self.data
-        response = ("data.response_max + 2" if data.response_max >= data.total_terms - data.prompt_terms_min
-                    else "data.total_terms - data.prompt_terms_min + 2")
+        response = (
+            "data.response_max + 2"
+            if data.response_max >= data.total_terms - data.prompt_terms_min
+            else "data.total_terms - data.prompt_terms_min + 2"
+        )
         return data.max_length(), f"data.prompt_terms_max + {response}"
 
     def longest_micro_batch(self) -> tuple[int, int, str]:
@@ -207,5 +210,11 @@ class Config:
         if loss_family(self.loss) == "dpo" and 2 * -(-data.prompts // parts) > rows:
             rows, keys = 2 * -(-data.prompts // parts), "2 × data.prompts"
         length = -(-self.data.max_length() // multiple) * multiple
-        return rows, rows * length, (f"{rows} rows ({keys} / parallel.dp / run.micro_batches, rounded up) × {length} "
-                                     "tokens (the longest sequence padded to packing.pad_to_multiple)")
+        return (
+            rows,
+            rows * length,
+            (
+                f"{rows} rows ({keys} / parallel.dp / run.micro_batches, rounded up) × {length} "
+                "tokens (the longest sequence padded to packing.pad_to_multiple)"
+            ),
+        )

@@ -37,15 +37,38 @@ if TYPE_CHECKING:
 # (packing, parallel sizes, micro-batches, log-prob chunking, the fused head) or compiler
 # reorders float sums, so the run continues to float rounding. `run.steps` and
 # `run.sft_steps` are checked against the checkpoint's step (`load_checkpoint`).
-RESUMABLE = ("compile.", "packing.", "parallel.", "run.micro_batches", "logprob.chunk_size", "logprob.fused_linear",
-             "run.deterministic", "run.validate_inputs", "run.log_every", "run.save_every", "run.keep_last",
-             "run.steps", "run.sft_steps")
+RESUMABLE = (
+    "compile.",
+    "packing.",
+    "parallel.",
+    "run.micro_batches",
+    "logprob.chunk_size",
+    "logprob.fused_linear",
+    "run.deterministic",
+    "run.validate_inputs",
+    "run.log_every",
+    "run.save_every",
+    "run.keep_last",
+    "run.steps",
+    "run.sft_steps",
+)
 # DFlash draws a static number of anchors per replica and micro-batch, seeded by both
 # (`anchor_seed`): with it these change what a step computes
 _DFLASH_FIXED = ("parallel.dp", "run.micro_batches")
 _UNSET = "unset"  # a key one of the two configs lacks
-_KEYS = ("step", "warm_steps", "config", "policy", "reference", "drafter", "optimizers", "python_rng", "torch_rng",
-         "history", "digest")
+_KEYS = (
+    "step",
+    "warm_steps",
+    "config",
+    "policy",
+    "reference",
+    "drafter",
+    "optimizers",
+    "python_rng",
+    "torch_rng",
+    "history",
+    "digest",
+)
 
 
 def _plain(value: Any) -> Any:
@@ -140,18 +163,23 @@ def _read(path: str, device: torch.device) -> dict[str, Any]:
     try:
         state = torch.load(file, map_location=device, weights_only=True)
     except Exception as e:  # anything a damaged or foreign file makes the unpickler raise
-        raise ValueError(f"run.resume={path!r}: torch.load cannot read it (a truncated, corrupt or foreign "
-                         f"file: {type(e).__name__})") from e
+        raise ValueError(
+            f"run.resume={path!r}: torch.load cannot read it (a truncated, corrupt or foreign file: {type(e).__name__})"
+        ) from e
     if not isinstance(state, dict):
-        raise ValueError(f"run.resume={path!r} holds a value of type {type(state).__name__}, not a checkpoint of "
-                         "python -m compiled_loss.run")
+        raise ValueError(
+            f"run.resume={path!r} holds a value of type {type(state).__name__}, not a checkpoint of "
+            "python -m compiled_loss.run"
+        )
     missing = [key for key in _KEYS if key not in state]
     if missing:
-        raise ValueError(f"run.resume={path!r} is not a checkpoint of python -m compiled_loss.run: it lacks the "
-                         f"keys {missing}")
+        raise ValueError(
+            f"run.resume={path!r} is not a checkpoint of python -m compiled_loss.run: it lacks the keys {missing}"
+        )
     if state.pop("digest") != _digest(state):
-        raise ValueError(f"run.resume={path!r}: its contents do not match the digest they were written with "
-                         "(a corrupt file)")
+        raise ValueError(
+            f"run.resume={path!r}: its contents do not match the digest they were written with (a corrupt file)"
+        )
     return state
 
 
@@ -166,13 +194,16 @@ def _compatible(path: str, state: dict[str, Any], run: Run) -> list[str]:
     differ = sorted(k for k in (old.keys() | new.keys()) - {"run.resume"} if old.get(k, _UNSET) != new.get(k, _UNSET))
     changes = {k: f"{k} {old.get(k, _UNSET)!r} -> {new.get(k, _UNSET)!r}" for k in differ}
     fixed = _DFLASH_FIXED if new["draft.name"] == "dflash" else ()
-    refused = [k for k in differ if k in fixed or not any(k.startswith(r) if r.endswith(".") else k == r
-                                                          for r in RESUMABLE)]
+    refused = [
+        k for k in differ if k in fixed or not any(k.startswith(r) if r.endswith(".") else k == r for r in RESUMABLE)
+    ]
     if refused:
         may = ", ".join(f"{r}*" if r.endswith(".") else r for r in RESUMABLE if r not in fixed)
-        raise ValueError(f"run.resume={path!r} was written by a run this config cannot continue: "
-                         f"{', '.join(changes[k] for k in refused)} (checkpoint -> this run); a resume may change "
-                         f"only {may}")
+        raise ValueError(
+            f"run.resume={path!r} was written by a run this config cannot continue: "
+            f"{', '.join(changes[k] for k in refused)} (checkpoint -> this run); a resume may change "
+            f"only {may}"
+        )
     return list(changes.values())
 
 
@@ -186,12 +217,16 @@ def load_checkpoint(path: str, run: Run) -> tuple[int, list[dict[str, Any]], lis
     done, warm, total = state["step"], state["warm_steps"], run.warm_steps + run.cfg.run.steps
     if min(done, warm) != min(done, run.warm_steps):  # a step the checkpoint trained would change phase
         need = f"run.sft_steps={warm}" if done > warm else f"run.sft_steps >= {done}"
-        raise ValueError(f"run.resume={path!r} is at step {done} of a run with a warm start of {warm} steps; "
-                         f"run.sft_steps={run.cfg.run.sft_steps} would change the phase of steps it has trained "
-                         f"(and the KL reference taken at the warm start's end): resume with {need}")
+        raise ValueError(
+            f"run.resume={path!r} is at step {done} of a run with a warm start of {warm} steps; "
+            f"run.sft_steps={run.cfg.run.sft_steps} would change the phase of steps it has trained "
+            f"(and the KL reference taken at the warm start's end): resume with {need}"
+        )
     if done >= total:
-        raise ValueError(f"run.resume={path!r} is at step {done}; this run ends at step {total} ({run.warm_steps} "
-                         f"warm-start steps + run.steps={run.cfg.run.steps}): nothing to train — raise run.steps")
+        raise ValueError(
+            f"run.resume={path!r} is at step {done}; this run ends at step {total} ({run.warm_steps} "
+            f"warm-start steps + run.steps={run.cfg.run.steps}): nothing to train — raise run.steps"
+        )
     try:
         run.policy.load_state_dict(state["policy"])
         run.reference.load_state_dict(state["reference"])

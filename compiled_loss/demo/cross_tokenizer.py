@@ -46,8 +46,9 @@ def teacher_width(cfg: Config) -> int:
 
 def teacher_model_config(cfg: Config) -> ModelConfig:
     """The policy's architecture over the digit vocabulary, with positions for its longer rows."""
-    return dataclasses.replace(cfg.model, vocab_size=TEACHER_VOCAB_SIZE,
-                               max_positions=max(cfg.model.max_positions, teacher_width(cfg)))
+    return dataclasses.replace(
+        cfg.model, vocab_size=TEACHER_VOCAB_SIZE, max_positions=max(cfg.model.max_positions, teacher_width(cfg))
+    )
 
 
 def teacher_models(cfg: Config) -> list[TinyLM]:
@@ -101,14 +102,16 @@ def tokenize(input_ids: Tensor, input_lengths: Tensor, cfg: Config) -> tuple[Ten
 
 
 @torch.no_grad()
-def annotate(batch: dict[str, Tensor], loss_fn: CrossTokenizerDistillationLossFn, teachers: list[TinyLM],
-             cfg: Config) -> dict[str, Tensor]:
+def annotate(
+    batch: dict[str, Tensor], loss_fn: CrossTokenizerDistillationLossFn, teachers: list[TinyLM], cfg: Config
+) -> dict[str, Tensor]:
     """`batch` with every teacher's logits on its digit tokenization and the alignment,
     under the loss's data keys."""
     ids, alignment = tokenize(batch["input_ids"], batch["input_lengths"], cfg)
     out = dict(batch)
-    for logits_key, alignment_key, teacher in zip(loss_fn.teacher_logits_keys, loss_fn.teacher_alignment_keys,
-                                                  teachers):
+    for logits_key, alignment_key, teacher in zip(
+        loss_fn.teacher_logits_keys, loss_fn.teacher_alignment_keys, teachers
+    ):
         device = next(teacher.parameters()).device
         positions = torch.arange(ids.shape[1], device=device).expand(ids.shape)
         tokens = ids.to(device)

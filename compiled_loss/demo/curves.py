@@ -42,8 +42,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             if number == len(lines):
-                print(f"{file}:{number}: skipped the incomplete last line (a run still writing it, or a file cut "
-                      "short)", file=sys.stderr)
+                print(
+                    f"{file}:{number}: skipped the incomplete last line (a run still writing it, or a file cut short)",
+                    file=sys.stderr,
+                )
                 continue
             raise ValueError(f"{file}:{number}: not a JSON line (column {e.colno}: {e.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
@@ -69,8 +71,13 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> Path:
             for key, style in keys:
                 points = [(r["step"], r[key]) for r in records if key in r]
                 if points:
-                    ax.plot(*zip(*points), style, color=colour, lw=1.2, label=f"{name} {key}" if ax is axes.flat[0]
-                            else None)
+                    ax.plot(
+                        *zip(*points),
+                        style,
+                        color=colour,
+                        lw=1.2,
+                        label=f"{name} {key}" if ax is axes.flat[0] else None,
+                    )
             if warm:
                 ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color=colour, alpha=0.06)
                 ax.axvline(max(warm) + 0.5, color=colour, ls="--", lw=0.8)

@@ -114,8 +114,7 @@ def _rows(prompts: Prompts, responses: Tensor, response_lengths: Tensor) -> dict
     lengths = prompts.lengths + response_lengths
     index = torch.arange(ids.shape[1])
     token_mask = ((index >= prompts.lengths[:, None]) & (index < lengths[:, None])).float()
-    return {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask,
-            "sample_mask": torch.ones(len(ids))}
+    return {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": torch.ones(len(ids))}
 
 
 def correct_batch(prompts: Prompts) -> dict[str, Tensor]:
@@ -133,8 +132,9 @@ def score(prompts: Prompts, responses: Tensor, response_lengths: Tensor) -> Tens
     return correct / torch.maximum(response_lengths, prompts.target_lengths)
 
 
-def sampled_batch(prompts: Prompts, responses: Tensor, response_lengths: Tensor, logprobs: Tensor,
-                  rewards: Tensor, advantages: Tensor) -> dict[str, Tensor]:
+def sampled_batch(
+    prompts: Prompts, responses: Tensor, response_lengths: Tensor, logprobs: Tensor, rewards: Tensor, advantages: Tensor
+) -> dict[str, Tensor]:
     """Rows of sampled responses (`[n, R]` tokens and the sampler's log-probs, PAD / 0 after
     their end) with `rewards [n]`, `advantages` broadcast to `[n, S]` and the sampler's
     log-probs as `generation_logprobs [n, S]` (at each response token's column)."""
@@ -142,12 +142,15 @@ def sampled_batch(prompts: Prompts, responses: Tensor, response_lengths: Tensor,
     width = batch["input_ids"].shape[1]
     columns = prompts.lengths[:, None] + torch.arange(responses.shape[1])
     generation = torch.zeros(len(responses), width).scatter(1, columns, logprobs.float())
-    return {**batch, "rewards": rewards, "advantages": advantages[:, None].expand(-1, width).contiguous(),
-            "generation_logprobs": generation}
+    return {
+        **batch,
+        "rewards": rewards,
+        "advantages": advantages[:, None].expand(-1, width).contiguous(),
+        "generation_logprobs": generation,
+    }
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, *, leave_one_out: bool = False,
-                    normalize: bool = True) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_size: int, *, leave_one_out: bool = False, normalize: bool = True) -> Tensor:
     """NeMo-RL's GRPO advantages `[n]` for rewards in consecutive groups of `group_size`
     (`calculate_baseline_and_std_per_prompt`, then `normalize_advantages_with_epsilon`):
     reward − the group's mean (`leave_one_out`: the mean of the OTHER responses, RLOO);
@@ -262,8 +265,9 @@ def _forward(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
     return model(input_ids, positions, torch.zeros_like(input_ids), full_vocab=True).float()
 
 
-def model_logprobs(model: torch.nn.Module, input_ids: Tensor, sampling: LogprobConfig | None = None,
-                    filtered: bool = True) -> Tensor:
+def model_logprobs(
+    model: torch.nn.Module, input_ids: Tensor, sampling: LogprobConfig | None = None, filtered: bool = True
+) -> Tensor:
     """`[B, S]` log-probs of each token given its prefix, 0 in column 0 (ref §1.2), of the
     logits divided by `sampling.temperature` and (`filtered`) under its top-k / top-p
     filter: what the loss computes, so ratios start at 1."""

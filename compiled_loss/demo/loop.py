@@ -73,8 +73,11 @@ def _finite(values: dict[str, Any], where: str, reported: set[str] | None) -> di
             out[key] = None
             if reported is not None and key not in reported:
                 reported.add(key)
-                print(f"warning: {where}: {key} is {value}, written as null (later non-finite {key} values are "
-                      "not reported)", flush=True)
+                print(
+                    f"warning: {where}: {key} is {value}, written as null (later non-finite {key} values are "
+                    "not reported)",
+                    flush=True,
+                )
     return out
 
 
@@ -163,21 +166,41 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
     drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
     trained = [p for m in (policy, drafter) if m is not None for p in m.parameters() if p.requires_grad]
     o = cfg.optim
-    warm_optimizer, optimizer = (torch.optim.AdamW(trained, lr=lr, betas=(o.beta1, o.beta2),
-                                                   weight_decay=o.weight_decay) for lr in (o.sft_lr, o.lr))
+    warm_optimizer, optimizer = (
+        torch.optim.AdamW(trained, lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        for lr in (o.sft_lr, o.lr)
+    )
     step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
     warm = build_train_step(dataclasses.replace(cfg, loss=NllLossOption()), policy, warm_optimizer, groups, drafter)
     rollouts = Rollouts(cfg, family, groups, rng, policy=policy, reference=reference, teacher=teacher)
-    return Run(cfg=cfg, groups=groups, family=family, policy=policy, reference=reference, drafter=drafter,
-               loss_fn=step.loss_fn, teachers=teachers, optimizers=(warm_optimizer, optimizer), warm=warm, step=step,
-               rollouts=rollouts, warm_steps=0 if family == "value" else cfg.run.sft_steps)
+    return Run(
+        cfg=cfg,
+        groups=groups,
+        family=family,
+        policy=policy,
+        reference=reference,
+        drafter=drafter,
+        loss_fn=step.loss_fn,
+        teachers=teachers,
+        optimizers=(warm_optimizer, optimizer),
+        warm=warm,
+        step=step,
+        rollouts=rollouts,
+        warm_steps=0 if family == "value" else cfg.run.sft_steps,
+    )
 
 
 def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     groups = init_parallel(cfg.parallel)
     run = build_run(cfg, groups)
-    family, policy, reference, step, warm, rollouts = (run.family, run.policy, run.reference, run.step, run.warm,
-                                                       run.rollouts)
+    family, policy, reference, step, warm, rollouts = (
+        run.family,
+        run.policy,
+        run.reference,
+        run.step,
+        run.warm,
+        run.rollouts,
+    )
     warm_steps = run.warm_steps
     total = warm_steps + cfg.run.steps
     history: list[dict[str, Any]] = []
@@ -186,20 +209,26 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     if cfg.run.resume is not None:
         done, history, changes = load_checkpoint(cfg.run.resume, run)
         if lead:
-            print(f"resuming at step {done} of {total} from run.resume={cfg.run.resume}; "
-                  + (f"changed since it was written: {', '.join(changes)}" if changes else "the same config"))
+            print(
+                f"resuming at step {done} of {total} from run.resume={cfg.run.resume}; "
+                + (f"changed since it was written: {', '.join(changes)}" if changes else "the same config")
+            )
         # the drafter's anchor noise is seeded by each step object's count of global batches
         warm.global_batch, step.global_batch = min(done, warm_steps) - 1, max(done - warm_steps, 0) - 1
     # MPO: the driver's running mean reward δ of the BCO term (ref §4.4), carried in the metrics
-    reward_shift = None if cfg.loss.name != "mpo" else next(
-        (r["reward_shift"] for r in reversed(history) if "reward_shift" in r), cfg.loss.reward_shift)
+    reward_shift = (
+        None
+        if cfg.loss.name != "mpo"
+        else next((r["reward_shift"] for r in reversed(history) if "reward_shift" in r), cfg.loss.reward_shift)
+    )
     reported: set[str] = set()  # the keys whose non-finite values were reported
     saved: list[Path] = []  # the checkpoints this run wrote, oldest first
     output_dir.mkdir(parents=True, exist_ok=True)
     with open(output_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext() as log:
         for record in history if lead else ():
-            log.write(json.dumps(_finite(record, f"metrics.jsonl step {record['step']}", reported),
-                                 allow_nan=False) + "\n")
+            log.write(
+                json.dumps(_finite(record, f"metrics.jsonl step {record['step']}", reported), allow_nan=False) + "\n"
+            )
         for i in range(done + 1, total + 1):
             warming = i <= warm_steps
             if i == warm_steps + 1 and warm_steps:  # the warm-start weights become the KL reference
@@ -207,8 +236,12 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
             batch, stats = run.batch(i, None if warming else reward_shift)
             result = (warm if warming else step)(batch)
             if reward_shift is not None and not warming:
-                reward_shift = update_reward_shift(reward_shift, result.metrics["bco_reward_sum"],
-                                                   result.metrics["bco_reward_count"], cfg.loss.reward_shift_momentum)
+                reward_shift = update_reward_shift(
+                    reward_shift,
+                    result.metrics["bco_reward_sum"],
+                    result.metrics["bco_reward_count"],
+                    cfg.loss.reward_shift_momentum,
+                )
                 stats = {**stats, "reward_shift": reward_shift}
             record = {
                 "step": i,
@@ -249,8 +282,9 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _summary(cfg: Config, history, warm_steps: int, step, warm, rollouts: Rollouts, rank: int,
-             output_dir: Path) -> dict[str, Any]:
+def _summary(
+    cfg: Config, history, warm_steps: int, step, warm, rollouts: Rollouts, rank: int, output_dir: Path
+) -> dict[str, Any]:
     main = [r for r in history if r["phase"] != WARM_START]
     steady = [r for r, before in zip(main[1:], main) if r["compiles"] == before["compiles"]]  # no compile in it
     tokens, seconds = sum(r["tokens"] for r in main), sum(r["step_seconds"] for r in main)
@@ -272,8 +306,9 @@ def _summary(cfg: Config, history, warm_steps: int, step, warm, rollouts: Rollou
         **{f"{end}_{key}": main[at][key] for key in _draft_metrics(cfg) for end, at in (("first", 0), ("final", -1))},
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
-        "steady_tokens_per_s": (sum(r["tokens"] for r in steady) / sum(r["step_seconds"] for r in steady)
-                                if steady else None),
+        "steady_tokens_per_s": (
+            sum(r["tokens"] for r in steady) / sum(r["step_seconds"] for r in steady) if steady else None
+        ),
         "padding_fraction": 1 - tokens / sum(r["slots"] for r in main),
         "compiles": step.compiles,
         "buckets": len(step.buckets),

@@ -70,8 +70,13 @@ class TinyLM(nn.Module):
         self.to(getattr(torch, cfg.dtype))
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, segment_ids: Tensor, return_hidden: bool = False,
-        full_vocab: bool = False, linear_logits: bool = False,
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        segment_ids: Tensor,
+        return_hidden: bool = False,
+        full_vocab: bool = False,
+        linear_logits: bool = False,
     ) -> Tensor | LinearLogits | tuple[Tensor, list[Tensor]]:
         length = input_ids.shape[1]
         index = torch.arange(length, device=input_ids.device)

@@ -61,16 +61,28 @@ class Rollouts:
     the same for the supervised warm start (see the module docstring). Prompts come from
     `rng` in step order."""
 
-    def __init__(self, cfg: Config, family: Family, groups: ParallelGroups, rng: random.Random, *,
-                 policy: TinyLM, reference: TinyLM, teacher: TinyLM | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        family: Family,
+        groups: ParallelGroups,
+        rng: random.Random,
+        *,
+        policy: TinyLM,
+        reference: TinyLM,
+        teacher: TinyLM | None = None,
+    ) -> None:
         self.cfg, self.family, self.groups, self.rng = cfg, family, groups, rng
         self.policy, self.reference, self.teacher = policy, reference, teacher
         self.rows = cfg.data.prompts * cfg.data.group_size  # of the global batch
         self.local = self.rows // groups.sizes[2]
         self.sampler = Sampler(cfg, policy, self.local) if family != "value" else None
         held_out = dataclasses.replace(cfg.data, prompts=_HELD_OUT_PAIRS)
-        self.held_out = (sample_batch(held_out, cfg.model.vocab_size, random.Random(cfg.run.seed + 1), pairs=True)
-                         if family == "dpo" else None)
+        self.held_out = (
+            sample_batch(held_out, cfg.model.vocab_size, random.Random(cfg.run.seed + 1), pairs=True)
+            if family == "dpo"
+            else None
+        )
 
     def _share(self) -> slice:
         """This replica's rows of the global batch."""
@@ -84,24 +96,39 @@ class Rollouts:
         samples = self.sampler(local, uniforms[self._share()], step=step)
         rewards = score(local, samples.tokens, samples.lengths)
         mask = torch.arange(samples.tokens.shape[1]) < samples.lengths[:, None]
-        sums = torch.stack([rewards.sum(), (rewards == 1).sum(), -(samples.logprobs * mask).sum(), mask.sum(),
-                            samples.lengths.sum()]).double()
+        sums = torch.stack(
+            [rewards.sum(), (rewards == 1).sum(), -(samples.logprobs * mask).sum(), mask.sum(), samples.lengths.sum()]
+        ).double()
         reward, solved, neg_logprob, tokens, length = all_reduce_host(sums, self.groups.dp).tolist()  # host
-        stats = {"reward": reward / self.rows, "solved": solved / self.rows, "entropy": neg_logprob / tokens,
-                 "response_length": length / self.rows, "sample_seconds": time.perf_counter() - start}
+        stats = {
+            "reward": reward / self.rows,
+            "solved": solved / self.rows,
+            "entropy": neg_logprob / tokens,
+            "response_length": length / self.rows,
+            "sample_seconds": time.perf_counter() - start,
+        }
         return samples, rewards, stats
 
     def preference_accuracy(self) -> float:
         """The held-out pairs the policy prefers correctly, relative to the reference."""
         ids, mask = self.held_out["input_ids"], self.held_out["token_mask"]
-        ratio = [(model_logprobs(m, ids, self.cfg.logprob, filtered=False) * mask).sum(1)
-                 for m in (self.policy, self.reference)]
+        ratio = [
+            (model_logprobs(m, ids, self.cfg.logprob, filtered=False) * mask).sum(1)
+            for m in (self.policy, self.reference)
+        ]
         margin = ratio[0] - ratio[1]
         return float((margin[::2] > margin[1::2]).double().mean())
 
     def _annotate(self, batch: dict[str, Tensor], family: Family) -> dict[str, Tensor]:
-        return rollout(batch, family, policy=self.policy, reference=self.reference, teacher=self.teacher,
-                       topk=self.cfg.data.teacher_topk, sampling=self.cfg.logprob)
+        return rollout(
+            batch,
+            family,
+            policy=self.policy,
+            reference=self.reference,
+            teacher=self.teacher,
+            topk=self.cfg.data.teacher_topk,
+            sampling=self.cfg.logprob,
+        )
 
     def warm_start(self, step: int) -> tuple[dict[str, Tensor], dict[str, float]]:
         """Correct responses to `prompts × group_size` fresh prompts (NLL), and the reward the
@@ -120,10 +147,12 @@ class Rollouts:
             return self._annotate(replica_rows(batch, self.groups.sizes[2], self.groups.dp_rank), family), stats
         prompts = task_prompts(data, self.cfg.model.vocab_size, self.rng, data.prompts).repeat(data.group_size)
         samples, rewards, stats = self._sample(prompts, step)
-        advantages = grpo_advantages(rewards, data.group_size, leave_one_out=data.use_leave_one_out_baseline,
-                                     normalize=data.normalize_rewards)
-        batch = sampled_batch(prompts.rows(self._share()), samples.tokens, samples.lengths, samples.logprobs, rewards,
-                              advantages)
+        advantages = grpo_advantages(
+            rewards, data.group_size, leave_one_out=data.use_leave_one_out_baseline, normalize=data.normalize_rewards
+        )
+        batch = sampled_batch(
+            prompts.rows(self._share()), samples.tokens, samples.lengths, samples.logprobs, rewards, advantages
+        )
         if family == "dpo":
             batch = preference_pairs(batch, data.group_size)
             stats["preference_accuracy"] = self.preference_accuracy()

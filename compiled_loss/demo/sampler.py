@@ -48,8 +48,9 @@ def sampling_uniforms(seed: int, step: int, rows: int, slots: int) -> Tensor:
     return torch.rand(rows, slots, generator=generator)
 
 
-def _pick(logits: Tensor, uniforms: Tensor, *, temperature: float, top_k: int | None, top_p: float,
-          alive: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _pick(
+    logits: Tensor, uniforms: Tensor, *, temperature: float, top_k: int | None, top_p: float, alive: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """One token per row `[R]` drawn by inverse CDF with `uniforms [R]` from
     `softmax(logits / temperature)` under the top-k / top-p filter, its log-prob, and which
     rows are still alive after it. Rows no longer `alive` get PAD and log-prob 0; a row
@@ -75,8 +76,7 @@ def _first(model: TinyLM, input_ids: Tensor, lengths: Tensor, uniforms: Tensor, 
     return tokens, logprobs, alive, lengths, cache
 
 
-def _next(model: TinyLM, tokens: Tensor, positions: Tensor, alive: Tensor, cache: Tensor, uniforms: Tensor, *,
-          pick):
+def _next(model: TinyLM, tokens: Tensor, positions: Tensor, alive: Tensor, cache: Tensor, uniforms: Tensor, *, pick):
     """Feed each row's last token (at `positions`) and draw the next."""
     logits, cache = model.decode(tokens, positions, cache)
     tokens, logprobs, alive = pick(logits, uniforms, alive=alive)
@@ -120,12 +120,14 @@ class Sampler:
         """Sample a response to each prompt; `FloatingPointError` when the policy's logits
         are not finite (a diverged policy), naming the training `step` when given."""
         if tuple(prompts.input_ids.shape) != (self.rows, self.prompt_len):
-            raise ValueError(f"Sampler takes {self.rows} prompts of width {self.prompt_len}, got "
-                             f"{tuple(prompts.input_ids.shape)}")
+            raise ValueError(
+                f"Sampler takes {self.rows} prompts of width {self.prompt_len}, got {tuple(prompts.input_ids.shape)}"
+            )
         device = next(self.model.parameters()).device
         columns = [u.clone() for u in uniforms.to(device).t()]  # one contiguous [rows] tensor per slot
         tokens, logprobs, alive, positions, cache = self._first(
-            self.model, prompts.input_ids.to(device), prompts.lengths.to(device), columns[0])
+            self.model, prompts.input_ids.to(device), prompts.lengths.to(device), columns[0]
+        )
         drawn, drawn_logprobs = [tokens], [logprobs]
         for column in columns[1:]:
             tokens, logprobs, alive, positions, cache = self._next(self.model, tokens, positions, alive, cache, column)

@@ -147,7 +147,8 @@ class DFlashConfig:
         layers = self.aux_layers
         if layers is not None:
             require(
-                isinstance(layers, tuple) and len(layers) > 0
+                isinstance(layers, tuple)
+                and len(layers) > 0
                 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
                 and all(a < b for a, b in zip(layers, layers[1:])),
                 f"aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, "
@@ -272,8 +273,15 @@ class _BlockLayer(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * mlp, bias=False)
         self.down = nn.Linear(mlp, hidden, bias=False)
 
-    def forward(self, x: Tensor, ctx: Tensor, rows: Tensor, ctx_rope: tuple[Tensor, Tensor],
-                block_rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rows: Tensor,
+        ctx_rope: tuple[Tensor, Tensor],
+        block_rope: tuple[Tensor, Tensor],
+        mask: Tensor,
+    ) -> Tensor:
         n, slots, hidden = x.shape
         heads = (self.heads, self.head_dim)
         h = self.norm_attn(x)
@@ -336,8 +344,9 @@ class DFlashDrafter(nn.Module):
         self.embed_proj = nn.Identity() if width == hidden_size else nn.Linear(width, hidden_size, bias=False)
         self.mask_embedding = nn.Parameter(torch.randn(hidden_size) * 0.02)
         self.slot_embedding = nn.Parameter(torch.randn(block_size, hidden_size) * 0.02)
-        self.layers = nn.ModuleList(_BlockLayer(hidden_size, num_heads, mlp_ratio * hidden_size)
-                                    for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            _BlockLayer(hidden_size, num_heads, mlp_ratio * hidden_size) for _ in range(num_layers)
+        )
         self.norm = nn.RMSNorm(hidden_size)
         if d2t is not None:
             vocab = d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t)
@@ -367,8 +376,9 @@ class DFlashDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor, document_ids: Tensor,
-                anchors: Tensor) -> Tensor:
+    def forward(
+        self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor, document_ids: Tensor, anchors: Tensor
+    ) -> Tensor:
         rows, length = input_ids.shape
         n, slots = anchors.shape[0], self.block_size
         dtype = self.fc.weight.dtype
@@ -379,10 +389,18 @@ class DFlashDrafter(nn.Module):
         tokens = self.embed_proj(self.embed(input_ids.flatten()[anchors]).to(dtype))  # [N, D]
         x = torch.cat([tokens[:, None], self.mask_embedding.expand(n, slots - 1, -1)], 1) + self.slot_embedding
         columns = torch.arange(length, device=input_ids.device)
-        visible = ((document_ids.index_select(0, row) == anchor_doc[:, None]) & (columns < position[:, None])
-                   & (anchor_doc[:, None] >= 0))  # [N, L]: the anchor's document strictly before it
-        mask = torch.cat([visible[:, None, :].expand(n, slots, length),
-                          torch.ones(n, slots, slots, dtype=torch.bool, device=x.device)], -1)[:, None]
+        visible = (
+            (document_ids.index_select(0, row) == anchor_doc[:, None])
+            & (columns < position[:, None])
+            & (anchor_doc[:, None] >= 0)
+        )  # [N, L]: the anchor's document strictly before it
+        mask = torch.cat(
+            [
+                visible[:, None, :].expand(n, slots, length),
+                torch.ones(n, slots, slots, dtype=torch.bool, device=x.device),
+            ],
+            -1,
+        )[:, None]
         slot = torch.arange(slots, device=input_ids.device)
         ctx_rope = self._rope(position_ids)
         block_rope = self._rope(position_ids.flatten()[anchors][:, None] + slot)
@@ -435,8 +453,11 @@ class DFlashRuntime(DraftRuntimeBase):
             raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
         rows, length = batch.input_ids.shape
         expected = {
-            "loss_mask": (rows, length), "document_ids": (rows, length), "position_ids": (rows, length),
-            "anchor_noise": (rows, length), "hidden_states": (rows, length, self.drafter.fc.in_features),
+            "loss_mask": (rows, length),
+            "document_ids": (rows, length),
+            "position_ids": (rows, length),
+            "anchor_noise": (rows, length),
+            "hidden_states": (rows, length, self.drafter.fc.in_features),
             "teacher_logits": (rows, length, self.drafter.embed.num_embeddings),
         }
         for name, shape in expected.items():
@@ -448,18 +469,23 @@ class DFlashRuntime(DraftRuntimeBase):
         self.check_batch(batch, n_slots)
         cfg, drafter, gamma = self.config, self.drafter, self.gamma
         anchors, keep = select_anchors(batch.loss_mask, batch.document_ids, batch.anchor_noise, cfg.num_anchors)
-        blocks = block_targets(batch.input_ids, batch.loss_mask, batch.document_ids, anchors, keep,
-                               cfg.block_size, drafter.target_in_draft)
+        blocks = block_targets(
+            batch.input_ids, batch.loss_mask, batch.document_ids, anchors, keep, cfg.block_size, drafter.target_in_draft
+        )
         hidden = drafter(batch.hidden_states, batch.input_ids, batch.position_ids, batch.document_ids, anchors)
         length = batch.input_ids.shape[1]
         slot = torch.arange(cfg.block_size, device=hidden.device)
         decay = math.exp(-1 / cfg.loss_decay_gamma) if cfg.loss_decay_gamma > 0 else 1.0
         # the decayed soft-CE, fused with the draft LM head (no [N·γ, V_draft] logits kept)
         stats = dflash_projected_vocab_parallel_soft_ce(
-            draft_hidden=hidden, output_weight=drafter.lm_head.weight,
-            teacher_logits=drafter.to_draft_vocab(batch.teacher_logits), sample_rows=anchors // length,
-            label_positions=(anchors % length)[:, None] + slot, loss_mask=blocks.eval_mask > 0,
-            position_decay=decay, token_chunk_size=cfg.token_chunk_size or DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
+            draft_hidden=hidden,
+            output_weight=drafter.lm_head.weight,
+            teacher_logits=drafter.to_draft_vocab(batch.teacher_logits),
+            sample_rows=anchors // length,
+            label_positions=(anchors % length)[:, None] + slot,
+            loss_mask=blocks.eval_mask > 0,
+            position_decay=decay,
+            token_chunk_size=cfg.token_chunk_size or DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
         )
         eval_mask = blocks.eval_mask[:, FIRST_SUPERVISED_SLOT:]  # [N, γ]
         weight = eval_mask * stats.weights  # [N, γ]

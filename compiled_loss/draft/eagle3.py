@@ -94,8 +94,12 @@ class Eagle3Config:
         require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
         layers = self.aux_layers
         require(
-            layers is None or (isinstance(layers, tuple) and len(layers) > 0 and all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)),
+            layers is None
+            or (
+                isinstance(layers, tuple)
+                and len(layers) > 0
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+            ),
             f"aux_layers must be None or a non-empty tuple of ints >= 0, got {layers!r}",
         )
         if self.hidden_size is not None and self.num_heads is not None:
@@ -413,8 +417,13 @@ def build_eagle3_runtime(
             f"draft_vocab_size ({draft_size}) differs from the policy's vocabulary ({vocab}): pass a d2t map",
         )
     drafter = Eagle3Drafter(
-        hidden_size=hidden, num_heads=heads, intermediate_size=intermediate, vocab_size=vocab,
-        draft_vocab_size=draft_size, aux_hidden_size=len(aux_layers) * policy_hidden, rope_theta=config.rope_theta,
+        hidden_size=hidden,
+        num_heads=heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        draft_vocab_size=draft_size,
+        aux_hidden_size=len(aux_layers) * policy_hidden,
+        rope_theta=config.rope_theta,
     )
     dtype = getattr(torch, getattr(policy_model_config, "dtype", "float32"))
     drafter.to(dtype)
@@ -437,6 +446,7 @@ def build_eagle3_runtime(
         device = policy_embedding_weight.device
         drafter.to(device)
         if draft_vocab is not None and draft_vocab.target_ids.device != device:
-            draft_vocab = dataclasses.replace(draft_vocab, d2t=draft_vocab.d2t.to(device),
-                                              target_ids=draft_vocab.target_ids.to(device))
+            draft_vocab = dataclasses.replace(
+                draft_vocab, d2t=draft_vocab.d2t.to(device), target_ids=draft_vocab.target_ids.to(device)
+            )
     return Eagle3Runtime(config, drafter, aux_layers, draft_vocab, dp_group)

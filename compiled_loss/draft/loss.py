@@ -38,13 +38,16 @@ def draft_soft_ce(
     cp = groups.get("context_parallel_group")
     if not defer_normalization:
         draft = draft_loss_fn(
-            data=draft_data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks,
+            data=draft_data,
+            global_valid_seqs=global_valid_seqs,
+            global_valid_toks=global_valid_toks,
             **loss_input,
         )
         return sum_context_parallel(draft, cp), {}
     stats = draft_loss_fn.loss_stats(data=draft_data, **loss_input)
-    stats = DraftLossStats(sum_context_parallel(stats.numerators, cp), sum_context_parallel(stats.counts, cp),
-                           stats.weights)
+    stats = DraftLossStats(
+        sum_context_parallel(stats.numerators, cp), sum_context_parallel(stats.counts, cp), stats.weights
+    )
     payload = DraftStepState.metric_payload(stats)
     return stats.normalized(torch.ones_like(stats.counts)), {"_draft_step_payload": payload}
 
@@ -67,8 +70,9 @@ class DraftStepState:
 
     def __add__(self, other: DraftStepState) -> DraftStepState:
         if not isinstance(other, DraftStepState) or other.counts.shape != self.counts.shape:
-            raise ValueError(f"DraftStepState: can only add a DraftStepState of {tuple(self.counts.shape)} bins, "
-                             f"got {other!r}")
+            raise ValueError(
+                f"DraftStepState: can only add a DraftStepState of {tuple(self.counts.shape)} bins, got {other!r}"
+            )
         return DraftStepState(self.numerators + other.numerators, self.counts + other.counts, self.weights)
 
     def draft_count(self, group: Any = None) -> Tensor:
@@ -77,8 +81,9 @@ class DraftStepState:
         return (all_reduce_sum(self.counts, group) * self.weights).sum()
 
     @torch.no_grad()
-    def correct_grads(self, parameters: Iterable[torch.nn.Parameter], policy_count: float | Tensor,
-                      group: Any = None) -> Tensor:
+    def correct_grads(
+        self, parameters: Iterable[torch.nn.Parameter], policy_count: float | Tensor, group: Any = None
+    ) -> Tensor:
         """Multiply the drafter's gradients by `policy_count / draft_count` (ref §7.4
         `correct_main_grads`), where `policy_count` is the count the step's gradients are
         already divided by (1 with a policy loss normalised by `global_valid_toks`, as

@@ -77,8 +77,9 @@ def anchor_noise(shape: tuple[int, ...], seed: int, device: torch.device | str |
 def aux_layers_default(num_layers: int) -> tuple[int, ...]:
     """The reference's auxiliary hidden-state layers (`get_eagle3_aux_hidden_state_layers`,
     ref §11.1): outputs of decoder layers `{1, L//2 - 1, L - 4}` (0-based, clamped)."""
-    return tuple(sorted({min(1, num_layers - 1), max(0, num_layers // 2 - 1), max(min(1, num_layers - 1),
-                                                                                   num_layers - 4)}))
+    return tuple(
+        sorted({min(1, num_layers - 1), max(0, num_layers // 2 - 1), max(min(1, num_layers - 1), num_layers - 4)})
+    )
 
 
 def aux_hidden_states(hidden: Sequence[Tensor], aux_layers: Sequence[int]) -> Tensor:

@@ -33,8 +33,10 @@ def align_tokenizations(
     row `b`'s tokens in order; when several teacher prefixes end at one offset (tokens
     without text), the longest is taken."""
     if len(student_lengths) != len(teacher_lengths):
-        raise ValueError(f"align_tokenizations: student_lengths has {len(student_lengths)} rows, teacher_lengths "
-                         f"{len(teacher_lengths)}")
+        raise ValueError(
+            f"align_tokenizations: student_lengths has {len(student_lengths)} rows, teacher_lengths "
+            f"{len(teacher_lengths)}"
+        )
     out = torch.full((len(student_lengths), width), -1, dtype=torch.long)
     for b, (student, teacher) in enumerate(zip(student_lengths, teacher_lengths)):
         if any(n < 0 for n in itertools.chain(student, teacher)):
@@ -45,8 +47,9 @@ def align_tokenizations(
     return out
 
 
-def check_student_logits(logits: Tensor | LinearLogits, loss_fn: Any, vocab_parallel_group: Any,
-                         context_parallel_group: Any, who: str) -> None:
+def check_student_logits(
+    logits: Tensor | LinearLogits, loss_fn: Any, vocab_parallel_group: Any, context_parallel_group: Any, who: str
+) -> None:
     """The student's logits must be a whole `[B, S, V_s]` (or packed `[1, T, V_s]`) tensor."""
     name = type(loss_fn).__name__
     if group_size(vocab_parallel_group) > 1 or group_size(context_parallel_group) > 1:
@@ -55,8 +58,9 @@ def check_student_logits(logits: Tensor | LinearLogits, loss_fn: Any, vocab_para
             "context_parallel_group (NeMo-RL's cross-tokenizer distillation runs at tp = cp = 1 too)"
         )
     if isinstance(logits, LinearLogits):
-        raise ValueError(f"{who}: {name} reads the student's full distributions; pass the logits tensor, not "
-                         "LinearLogits")
+        raise ValueError(
+            f"{who}: {name} reads the student's full distributions; pass the logits tensor, not LinearLogits"
+        )
 
 
 def cross_tokenizer_loss_input(logits: Tensor, data: Mapping[str, Tensor], loss_fn: Any, who: str) -> dict[str, Any]:

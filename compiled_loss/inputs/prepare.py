@@ -145,8 +145,7 @@ _TOKEN_ID_KEY = {
 }
 
 
-def _check_data(logits: Tensor | LinearLogits, data: Mapping[str, Tensor], loss_fn: Any, group: Any,
-                who: str) -> None:
+def _check_data(logits: Tensor | LinearLogits, data: Mapping[str, Tensor], loss_fn: Any, group: Any, who: str) -> None:
     """The batch's shapes and dtypes (`check_batch_shapes`: static, so a compiled call
     refuses a bad batch while tracing) and, in eager mode, the token ids the input type
     reads against the vocabulary `V = V_local · tp` (one host read; see `check_token_ids`)."""
@@ -185,8 +184,9 @@ def get_next_token_logprobs_from_logits(
     view = _Rows.of(next_token_logits, width, context_parallel_group)
     flat = view.logits(next_token_logits)
     targets = view.local(torch.roll(input_ids, -1, 1))  # last column wraps; dropped below
-    lp = token_logprobs(flat, targets, top_k_top_p=_top_k_top_p(sampling_params), chunk_size=chunk_size,
-                        group=vocab_parallel_group)
+    lp = token_logprobs(
+        flat, targets, top_k_top_p=_top_k_top_p(sampling_params), chunk_size=chunk_size, group=vocab_parallel_group
+    )
     return view.full(lp)[:, :-1]
 
 
@@ -231,8 +231,9 @@ def get_distillation_topk_logprobs_from_logits(
     view = _Rows.of(student_logits, width, context_parallel_group)
     flat = view.logits(student_logits)
     index = view.local(teacher_topk_indices.to(device=flat.device, dtype=torch.long))
-    student, entropy = _student_topk(flat, index, zero_outside_topk, calculate_entropy, vocab_parallel_group,
-                                     chunk_size)
+    student, entropy = _student_topk(
+        flat, index, zero_outside_topk, calculate_entropy, vocab_parallel_group, chunk_size
+    )
     student = view.full(student)
     teacher = torch.log_softmax(teacher_topk_logits.to(device=student.device, dtype=student.dtype), -1)
     h_all = None if entropy is None else view.full(entropy)[:, :-1]
@@ -240,7 +241,11 @@ def get_distillation_topk_logprobs_from_logits(
 
 
 def _student_topk(
-    rows: Tensor | LinearLogits, index: Tensor, zero_outside_topk: bool, calculate_entropy: bool, group: Any = None,
+    rows: Tensor | LinearLogits,
+    index: Tensor,
+    zero_outside_topk: bool,
+    calculate_entropy: bool,
+    group: Any = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`[N, k]` student values at teacher indices: full-vocab log-probs (zero_outside_topk)
@@ -376,22 +381,37 @@ def prepare_loss_input(
 
         def logprobs(params, chunk):
             return get_next_token_logprobs_from_logits(
-                data["input_ids"], logits, data.get("seq_index"), vocab_parallel_rank,
-                vocab_parallel_group, context_parallel_group, params, chunk,
+                data["input_ids"],
+                logits,
+                data.get("seq_index"),
+                vocab_parallel_rank,
+                vocab_parallel_group,
+                context_parallel_group,
+                params,
+                chunk,
             )
 
         lp, data = _with_filter_handling(
-            logprobs(sampling_params, chunk_size), lambda: logprobs(None, None), data,
-            loss_fn, sampling_params,
+            logprobs(sampling_params, chunk_size),
+            lambda: logprobs(None, None),
+            data,
+            loss_fn,
+            sampling_params,
         )
         return {"next_token_logprobs": lp}, data
     if input_type == LossInputType.DISTILLATION:
         require_keys(data, ("teacher_topk_logits", "teacher_topk_indices"), "prepare_loss_input")
         zero_outside = loss_fn.zero_outside_topk
         student, teacher, h_all = get_distillation_topk_logprobs_from_logits(
-            logits, data["teacher_topk_logits"], data["teacher_topk_indices"], zero_outside,
-            zero_outside and loss_fn.kl_type != "forward", vocab_parallel_rank,
-            vocab_parallel_group, context_parallel_group, chunk_size=chunk_size,
+            logits,
+            data["teacher_topk_logits"],
+            data["teacher_topk_indices"],
+            zero_outside,
+            zero_outside and loss_fn.kl_type != "forward",
+            vocab_parallel_rank,
+            vocab_parallel_group,
+            context_parallel_group,
+            chunk_size=chunk_size,
         )
         return {
             "student_topk_logprobs": student,
@@ -399,25 +419,32 @@ def prepare_loss_input(
             "H_all": h_all,
         }, dict(data)
     if input_type == LossInputType.DRAFT:
-        inputs = _draft_loss_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group,
-                                   context_parallel_group)
+        inputs = _draft_loss_input(logits, data, d2t, vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
         return inputs, dict(data)
     if input_type == LossInputType.OPD_FULL:
         _check_opd_full(logits, data, "prepare_loss_input (OPD_FULL)")
         width = data["input_ids"].shape[1]
         teacher = reconstruct_opd_full_teacher_logits(
-            data[OPD_FULL_TEACHER_PAYLOAD_FIELD], teacher_payload=loss_fn.opd_full.teacher_payload,
-            student_logits=logits, vocab_parallel_rank=group_rank(vocab_parallel_group),
+            data[OPD_FULL_TEACHER_PAYLOAD_FIELD],
+            teacher_payload=loss_fn.opd_full.teacher_payload,
+            student_logits=logits,
+            vocab_parallel_rank=group_rank(vocab_parallel_group),
             context_parallel_group=context_parallel_group,
             teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
             teacher_index=_opd_full_teacher_index(data, loss_fn, teacher_output_layer_weight_by_index)[0],
         )
         view = _Rows.of(logits, width, context_parallel_group)
-        inputs = _opd_full_loss_input(view.logits(logits), view.logits(teacher), lambda y: view.full(y)[:, :-1],
-                                      loss_fn, vocab_parallel_group)
+        inputs = _opd_full_loss_input(
+            view.logits(logits), view.logits(teacher), lambda y: view.full(y)[:, :-1], loss_fn, vocab_parallel_group
+        )
         if loss_fn.reference_policy_kl_penalty != 0:
             inputs["next_token_logprobs"] = get_next_token_logprobs_from_logits(
-                data["input_ids"], logits, data.get("seq_index"), None, vocab_parallel_group, context_parallel_group,
+                data["input_ids"],
+                logits,
+                data.get("seq_index"),
+                None,
+                vocab_parallel_group,
+                context_parallel_group,
             )
         return inputs, dict(data)
     if input_type == LossInputType.DISTILLATION_CROSS_TOKENIZER:
@@ -463,14 +490,16 @@ def prepare_packed_loss_input(
     check_chunk_size(chunk_size)
     _check_linear(logits, loss_fn, "prepare_packed_loss_input")
     if "cu_seqlens" in data:
-        return _pre_packed_loss_input(logits, data, loss_fn, vocab_parallel_group, context_parallel_group,
-                                      sampling_params, chunk_size)
+        return _pre_packed_loss_input(
+            logits, data, loss_fn, vocab_parallel_group, context_parallel_group, sampling_params, chunk_size
+        )
     _check_data(logits, data, loss_fn, vocab_parallel_group, "prepare_packed_loss_input")
     if layout is None:
         if cu_seqlens_q is None:
             raise ValueError("prepare_packed_loss_input needs cu_seqlens_q or a layout")
-        layout = PackedLayout.build(cu_seqlens_q, cu_seqlens_q_padded, device=logits.device,
-                                    context_parallel_group=context_parallel_group)
+        layout = PackedLayout.build(
+            cu_seqlens_q, cu_seqlens_q_padded, device=logits.device, context_parallel_group=context_parallel_group
+        )
     packed = per_position(logits, layout.slots)
     width = row_width(data)
     input_type = loss_fn.input_type
@@ -488,8 +517,11 @@ def prepare_packed_loss_input(
             return layout.unpack(layout.gather(lp), width)[:, :-1]
 
         lp, data = _with_filter_handling(
-            logprobs(sampling_params, chunk_size), lambda: logprobs(None, None), data,
-            loss_fn, sampling_params,
+            logprobs(sampling_params, chunk_size),
+            lambda: logprobs(None, None),
+            data,
+            loss_fn,
+            sampling_params,
         )
         return {"next_token_logprobs": lp}, data
     if input_type == LossInputType.DISTILLATION:
@@ -500,8 +532,9 @@ def prepare_packed_loss_input(
             raise ValueError(f"topk must be positive, got k={k}")
         zero_outside = loss_fn.zero_outside_topk
         with_entropy = zero_outside and loss_fn.kl_type != "forward"
-        student, entropy = _student_topk(packed, layout.local(layout.pack(indices.long())), zero_outside,
-                                         with_entropy, tp, chunk_size)
+        student, entropy = _student_topk(
+            packed, layout.local(layout.pack(indices.long())), zero_outside, with_entropy, tp, chunk_size
+        )
         student = layout.gather(student)
         teacher = torch.log_softmax(data["teacher_topk_logits"].to(student.dtype), -1)
         h_all = None if entropy is None else layout.unpack(layout.gather(entropy), width)[:, :-1]
@@ -514,8 +547,11 @@ def prepare_packed_loss_input(
         _check_opd_full(logits, data, "prepare_packed_loss_input (OPD_FULL)")
         weights = teacher_output_layer_weight_by_index
         to_logits = functools.partial(
-            teacher_logits, teacher_payload=loss_fn.opd_full.teacher_payload, vocab_parallel_rank=group_rank(tp),
-            local_vocab=packed.shape[-1], teacher_output_layer_weight_by_index=weights,
+            teacher_logits,
+            teacher_payload=loss_fn.opd_full.teacher_payload,
+            vocab_parallel_rank=group_rank(tp),
+            local_vocab=packed.shape[-1],
+            teacher_output_layer_weight_by_index=weights,
         )
         payload, index = data[OPD_FULL_TEACHER_PAYLOAD_FIELD], None
         if loss_fn.opd_full.teacher_payload == "logits":  # this rank's vocabulary slice before packing
@@ -526,8 +562,9 @@ def prepare_packed_loss_input(
             if rows_index is not None:  # packing pads with 0: shift so padding slots name the first head
                 index = layout.local(layout.pack((rows_index - first)[:, None].expand(-1, width))) + first
             teacher = to_logits(teacher, index)
-        inputs = _opd_full_loss_input(packed, teacher, lambda y: layout.unpack(layout.gather(y), width)[:, :-1],
-                                      loss_fn, tp)
+        inputs = _opd_full_loss_input(
+            packed, teacher, lambda y: layout.unpack(layout.gather(y), width)[:, :-1], loss_fn, tp
+        )
         if loss_fn.reference_policy_kl_penalty != 0:
             targets = layout.local(layout.roll(layout.pack(data["input_ids"])))
             lp = token_logprobs(packed, targets, group=tp)
@@ -564,5 +601,6 @@ def _pre_packed_loss_input(
     require_keys(data, ("input_ids", "token_mask", "sample_mask"), who)
     if data["input_ids"].dim() != 2 or data["input_ids"].shape[0] != 1:
         raise ValueError(f"{who}: input_ids must be one packed row [1, T], got {tuple(data['input_ids'].shape)}")
-    return prepare_loss_input(logits, data, loss_fn, None, vocab_parallel_group, None, sampling_params,
-                              chunk_size=chunk_size)
+    return prepare_loss_input(
+        logits, data, loss_fn, None, vocab_parallel_group, None, sampling_params, chunk_size=chunk_size
+    )

@@ -57,9 +57,7 @@ def _check_teacher_index(teacher_index: Tensor, weight_by_index: dict[int, Tenso
             )
 
 
-def project_hidden_states(
-    payload: Tensor, weight_by_index: dict[int, Tensor], teacher_index: Tensor | None
-) -> Tensor:
+def project_hidden_states(payload: Tensor, weight_by_index: dict[int, Tensor], teacher_index: Tensor | None) -> Tensor:
     """Teacher logits `[..., V_local]` from hidden states `[..., H]`: each position through
     the LM head its `teacher_index` (same leading shape, or None with one head loaded)
     names. Traceable: one matmul per loaded head, the rows picked with `where`; a row
@@ -88,8 +86,7 @@ def project_hidden_states_per_teacher(
     rows = payload.shape[0]
     if teacher_index.dim() != 1 or teacher_index.shape[0] != rows:
         raise ValueError(
-            f"teacher_index must carry one entry per payload row ({rows}), got shape "
-            f"{tuple(teacher_index.shape)}"
+            f"teacher_index must carry one entry per payload row ({rows}), got shape {tuple(teacher_index.shape)}"
         )
     return project_hidden_states(payload, weight_by_index, teacher_index[:, None].expand(payload.shape[:2]))
 
@@ -150,8 +147,11 @@ def reconstruct_opd_full_teacher_logits(
             f"teacher_index must carry one entry per payload row ({rows}), got shape {tuple(teacher_index.shape)}"
         )
     to_logits = functools.partial(
-        teacher_logits, teacher_payload=teacher_payload, vocab_parallel_rank=vocab_parallel_rank,
-        local_vocab=local_vocab, teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
+        teacher_logits,
+        teacher_payload=teacher_payload,
+        vocab_parallel_rank=vocab_parallel_rank,
+        local_vocab=local_vocab,
+        teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index,
     )
     if teacher_payload == "hidden_states":
         _check_heads(teacher_output_layer_weight_by_index or {}, width)

@@ -22,14 +22,38 @@ from compiled_loss.vocab import DraftVocab
 
 Tensor = torch.Tensor
 
-TOKEN_KEYS = ("input_ids", "token_mask", "advantages", "prev_logprobs", "generation_logprobs",
-              "reference_policy_logprobs", "returns", "values")  # [B, S]
-ROW_KEYS = ("sample_mask", "rewards", "pair_index", "is_chosen", "input_lengths", "reward_shift",
-            "opd_full_teacher_index")  # [B]
-POSITION_KEYS = {"teacher_topk_logits": "[B, S, k]", "teacher_topk_indices": "[B, S, k]",
-                 "opd_full_teacher_payload": "[B, S, D]"}  # one entry per input position
-INTEGER_KEYS = ("input_ids", "teacher_topk_indices", "pair_index", "is_chosen", "input_lengths",
-                "opd_full_teacher_index")
+TOKEN_KEYS = (
+    "input_ids",
+    "token_mask",
+    "advantages",
+    "prev_logprobs",
+    "generation_logprobs",
+    "reference_policy_logprobs",
+    "returns",
+    "values",
+)  # [B, S]
+ROW_KEYS = (
+    "sample_mask",
+    "rewards",
+    "pair_index",
+    "is_chosen",
+    "input_lengths",
+    "reward_shift",
+    "opd_full_teacher_index",
+)  # [B]
+POSITION_KEYS = {
+    "teacher_topk_logits": "[B, S, k]",
+    "teacher_topk_indices": "[B, S, k]",
+    "opd_full_teacher_payload": "[B, S, D]",
+}  # one entry per input position
+INTEGER_KEYS = (
+    "input_ids",
+    "teacher_topk_indices",
+    "pair_index",
+    "is_chosen",
+    "input_lengths",
+    "opd_full_teacher_index",
+)
 FLOAT_KEYS = ("teacher_topk_logits", "opd_full_teacher_payload")
 ID_KEYS = ("input_ids", "teacher_topk_indices")  # token ids: in [0, V)
 
@@ -57,20 +81,25 @@ def check_batch_shapes(data: Mapping[str, object], who: str | None = None) -> No
         rows, width = data[reference].shape
         for key in TOKEN_KEYS:
             if key in data and tuple(data[key].shape) != (rows, width):
-                raise ValueError(f"{at}data[{key!r}] must have shape [B, S] = {(rows, width)}, got "
-                                 f"{tuple(data[key].shape)}")
+                raise ValueError(
+                    f"{at}data[{key!r}] must have shape [B, S] = {(rows, width)}, got {tuple(data[key].shape)}"
+                )
         for key in ROW_KEYS:
             if key in data and tuple(data[key].shape) != (rows,):
                 raise ValueError(f"{at}data[{key!r}] must have shape [B] = {(rows,)}, got {tuple(data[key].shape)}")
         for key, shape in POSITION_KEYS.items():
             if key in data and (data[key].dim() != 3 or tuple(data[key].shape[:2]) != (rows, width)):
-                raise ValueError(f"{at}data[{key!r}] must have shape {shape} with [B, S] = {(rows, width)} (one entry "
-                                 f"per position of data[{reference!r}]), got {tuple(data[key].shape)}")
+                raise ValueError(
+                    f"{at}data[{key!r}] must have shape {shape} with [B, S] = {(rows, width)} (one entry "
+                    f"per position of data[{reference!r}]), got {tuple(data[key].shape)}"
+                )
     if "teacher_topk_logits" in data and "teacher_topk_indices" in data:
         logits, indices = data["teacher_topk_logits"].shape, data["teacher_topk_indices"].shape
         if logits != indices:
-            raise ValueError(f"{at}data['teacher_topk_logits'] and data['teacher_topk_indices'] must have one shape, "
-                             f"got {tuple(logits)} and {tuple(indices)}")
+            raise ValueError(
+                f"{at}data['teacher_topk_logits'] and data['teacher_topk_indices'] must have one shape, "
+                f"got {tuple(logits)} and {tuple(indices)}"
+            )
     for key in INTEGER_KEYS:
         if key in data and not _is_integer(data[key]):
             raise TypeError(f"{at}data[{key!r}] must be an integer tensor, got {data[key].dtype}")
@@ -94,9 +123,15 @@ def _raise_first(checks: dict[str, tuple[Tensor, Tensor, str]], at: str) -> None
 
 def _id_checks(data: Mapping[str, Tensor], keys: Iterable[str], vocab_size: int) -> dict[str, tuple]:
     """`_raise_first`'s checks of the token ids in `data[keys]` (the keys present, not empty)."""
-    return {key: (data[key], (data[key] < 0) | (data[key] >= vocab_size),
-                  f"token ids in [0, {vocab_size}) (the vocabulary)")
-            for key in keys if key in data and data[key].numel()}
+    return {
+        key: (
+            data[key],
+            (data[key] < 0) | (data[key] >= vocab_size),
+            f"token ids in [0, {vocab_size}) (the vocabulary)",
+        )
+        for key in keys
+        if key in data and data[key].numel()
+    }
 
 
 def check_token_ids(data: Mapping[str, Tensor], keys: Iterable[str], vocab_size: int, who: str) -> None:

@@ -122,15 +122,20 @@ class CrossTokenizerDistillationLossConfig:
             object.__setattr__(self, "teacher_weights", tuple(self.teacher_weights))
         check_fields(self)
         weights = self.teacher_weights
-        require(isinstance(weights, tuple) and len(weights) > 0,
-                f"teacher_weights must be a non-empty sequence of floats, got {weights!r}")
+        require(
+            isinstance(weights, tuple) and len(weights) > 0,
+            f"teacher_weights must be a non-empty sequence of floats, got {weights!r}",
+        )
         for i, w in enumerate(weights):
             check_value(f"teacher_weights[{i}]", w, float)
             require(w >= 0, f"teacher_weights[{i}] must be finite and >= 0, got {w}")
             check_factor(f"teacher_weights[{i}]", w, "it scales its teacher's KD term")
         require(self.temperature > 0, f"temperature must be finite and > 0, got {self.temperature}")
-        check_factor("temperature", self.temperature, "the logits are scaled by 1/temperature and the KD term's "
-                     "gradient by temperature")
+        check_factor(
+            "temperature",
+            self.temperature,
+            "the logits are scaled by 1/temperature and the KD term's gradient by temperature",
+        )
         for name in ("kl_loss_weight", "ce_loss_scale", "alpha"):
             value = getattr(self, name)
             require(value >= 0, f"{name} must be finite and >= 0, got {value}")
@@ -150,10 +155,15 @@ class CrossTokenizerDistillationLossConfig:
             "xtoken_loss=True requires gold_loss=True; xtoken_loss relaxes the gold loss's exact token map",
         )
         if self.sum_weights_metric is not None:
-            require(mode == "sum", f"sum_weights_metric={self.sum_weights_metric!r} is only applied in "
-                                   f"kd_loss_mode='sum', not {mode!r}; unset one of them")
-        require(not self.normalize_teacher_by_vocab or mode == "sum",
-                f"normalize_teacher_by_vocab is only applied in kd_loss_mode='sum', not {mode!r}; unset one of them")
+            require(
+                mode == "sum",
+                f"sum_weights_metric={self.sum_weights_metric!r} is only applied in "
+                f"kd_loss_mode='sum', not {mode!r}; unset one of them",
+            )
+        require(
+            not self.normalize_teacher_by_vocab or mode == "sum",
+            f"normalize_teacher_by_vocab is only applied in kd_loss_mode='sum', not {mode!r}; unset one of them",
+        )
         require(
             mode != "averaged_logits" or sum(self.teacher_weights) > 0,
             "teacher_weights must not sum to zero in kd_loss_mode='averaged_logits' (they form a convex "
@@ -193,8 +203,10 @@ class TokenProjection:
         if isinstance(matrix, TokenProjection):
             return matrix
         if not isinstance(matrix, Tensor):
-            raise TypeError(f"{name} must be a [V_t, V_s] tensor (dense or sparse COO) or a TokenProjection, got "
-                            f"{type(matrix).__name__}")
+            raise TypeError(
+                f"{name} must be a [V_t, V_s] tensor (dense or sparse COO) or a TokenProjection, got "
+                f"{type(matrix).__name__}"
+            )
         if matrix.dim() != 2:
             raise ValueError(f"{name} must be a [V_t, V_s] matrix, got shape {tuple(matrix.shape)}")
         v_t, v_s = matrix.shape
@@ -240,9 +252,12 @@ class TokenProjection:
         def ids(values) -> Tensor:
             return torch.tensor(list(values), dtype=torch.long)
 
-        return (ids(t for t, _ in pairs), ids(s for _, s in pairs),
-                ids(v for v in range(self.teacher_vocab_size) if v not in common_t),
-                ids(v for v in range(self.student_vocab_size) if v not in common_s))
+        return (
+            ids(t for t, _ in pairs),
+            ids(s for _, s in pairs),
+            ids(v for v in range(self.teacher_vocab_size) if v not in common_t),
+            ids(v for v in range(self.student_vocab_size) if v not in common_s),
+        )
 
 
 def _kl(x: Tensor, log_r: Tensor) -> Tensor:
@@ -286,10 +301,10 @@ class CrossTokenizerDistillationLossFn:
         cfg = as_config(self.cfg, CrossTokenizerDistillationLossConfig, "CrossTokenizerDistillationLossFn")
         projections = (None,) * len(cfg.teacher_weights) if self.projections is None else tuple(self.projections)
         cfg.validate(projections)
-        projections = tuple(None if p is None else TokenProjection.of(p, f"projections[{i}]")
-                            for i, p in enumerate(projections))
-        splits = tuple(p.exact_map(cfg.xtoken_loss) if cfg.gold_loss and p is not None else None
-                       for p in projections)
+        projections = tuple(
+            None if p is None else TokenProjection.of(p, f"projections[{i}]") for i, p in enumerate(projections)
+        )
+        splits = tuple(p.exact_map(cfg.xtoken_loss) if cfg.gold_loss and p is not None else None for p in projections)
         object.__setattr__(self, "cfg", cfg)
         object.__setattr__(self, "projections", projections)
         object.__setattr__(self, "_splits", splits)
@@ -319,19 +334,31 @@ class CrossTokenizerDistillationLossFn:
             per_teacher = self._teacher_keys("kl_loss", *(("kl_common", "l1_uncommon") if self.cfg.gold_loss else ()))
         return normalizations(
             TOKENS=("loss", "kl_loss", "ce_loss", "accuracy", *per_teacher),
-            NONE=("kl_loss_scale", "num_valid_samples", *self._teacher_keys("weight"),
-                  *(("selected_teacher",) if mode == "select_teacher" else ())),
+            NONE=(
+                "kl_loss_scale",
+                "num_valid_samples",
+                *self._teacher_keys("weight"),
+                *(("selected_teacher",) if mode == "select_teacher" else ()),
+            ),
         )
 
-    def _check_inputs(self, logits: Tensor, teachers: Mapping[int, Tensor], aligns: Mapping[int, Tensor],
-                      data: Mapping[str, Tensor], who: str) -> None:
+    def _check_inputs(
+        self,
+        logits: Tensor,
+        teachers: Mapping[int, Tensor],
+        aligns: Mapping[int, Tensor],
+        data: Mapping[str, Tensor],
+        who: str,
+    ) -> None:
         require_keys(data, ("input_ids", "token_mask", "sample_mask"), who)
         rows, width = data["input_ids"].shape
         require_shape(data["token_mask"], (rows, width), "data['token_mask'] ([B, S])", who)
         require_shape(data["sample_mask"], (rows,), "data['sample_mask'] ([B])", who)
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (rows, width):
-            raise ValueError(f"{who}: logits must be [B, S, V_s] with [B, S] = {(rows, width)} (input_ids), got "
-                             f"{tuple(logits.shape)}")
+            raise ValueError(
+                f"{who}: logits must be [B, S, V_s] with [B, S] = {(rows, width)} (input_ids), got "
+                f"{tuple(logits.shape)}"
+            )
         expected = list(range(self.num_teachers))
         for name, given in (("teacher_full_logits_by_idx", teachers), ("aligns_by_idx", aligns)):
             if sorted(given) != expected:
@@ -339,18 +366,24 @@ class CrossTokenizerDistillationLossFn:
         for i, projection in enumerate(self.projections):
             vocab = logits.shape[-1] if projection is None else projection.teacher_vocab_size
             if projection is not None and projection.student_vocab_size != logits.shape[-1]:
-                raise ValueError(f"{who}: projections[{i}] maps onto {projection.student_vocab_size} student tokens, "
-                                 f"the logits have {logits.shape[-1]}")
+                raise ValueError(
+                    f"{who}: projections[{i}] maps onto {projection.student_vocab_size} student tokens, "
+                    f"the logits have {logits.shape[-1]}"
+                )
             u, a = teachers[i], aligns[i]
             if u.dim() != 3 or u.shape[0] != rows or u.shape[2] != vocab:
-                raise ValueError(f"{who}: teacher_full_logits_by_idx[{i}] must be [B, S_t, V_t] with B = {rows}, "
-                                 f"V_t = {vocab}, got {tuple(u.shape)}")
+                raise ValueError(
+                    f"{who}: teacher_full_logits_by_idx[{i}] must be [B, S_t, V_t] with B = {rows}, "
+                    f"V_t = {vocab}, got {tuple(u.shape)}"
+                )
             require_shape(a, (rows, width), f"aligns_by_idx[{i}] ([B, S])", who)
             if a.dtype.is_floating_point or a.dtype == torch.bool:
                 raise ValueError(f"{who}: aligns_by_idx[{i}] must be an integer tensor, got {a.dtype}")
             if not torch.compiler.is_compiling() and a.numel() and bool(((a < -1) | (a >= u.shape[1])).any()):
-                raise ValueError(f"{who}: aligns_by_idx[{i}] must hold teacher positions in [-1, {u.shape[1]}) "
-                                 "(-1: no aligned position)")
+                raise ValueError(
+                    f"{who}: aligns_by_idx[{i}] must hold teacher positions in [-1, {u.shape[1]}) "
+                    "(-1: no aligned position)"
+                )
 
     def __call__(
         self,
@@ -373,8 +406,9 @@ class CrossTokenizerDistillationLossFn:
         ce = masked_mean(stats.lse - stats.picked[:, 0], mask, global_normalization_factor=global_valid_toks)
         accuracy = masked_mean((x.argmax(-1) == y).float(), mask, global_normalization_factor=global_valid_toks)
         x_t = x if cfg.temperature == 1.0 else x / cfg.temperature
-        teachers = [self._aligned(teacher_full_logits_by_idx[i], aligns_by_idx[i], mask)
-                    for i in range(self.num_teachers)]
+        teachers = [
+            self._aligned(teacher_full_logits_by_idx[i], aligns_by_idx[i], mask) for i in range(self.num_teachers)
+        ]
         if cfg.kd_loss_mode == "averaged_logits":
             kd, metrics = self._averaged(x_t, teachers, global_valid_toks)
         else:
@@ -406,10 +440,11 @@ class CrossTokenizerDistillationLossFn:
         (aligned,) = zero_outside(mask_i, aligned)
         return aligned, mask_i
 
-    def _per_teacher(self, x_t: Tensor, y: Tensor, teachers: list[tuple[Tensor, Tensor]],
-                     g_toks: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    def _per_teacher(
+        self, x_t: Tensor, y: Tensor, teachers: list[tuple[Tensor, Tensor]], g_toks: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """`sum` / `select_teacher`: each teacher's KD, then their weights."""
-        cfg, t2 = self.cfg, self.cfg.temperature ** 2
+        cfg, t2 = self.cfg, self.cfg.temperature**2
         scored = cfg.kd_loss_mode == "select_teacher" or cfg.sum_weights_metric is not None
         kds, scores, metrics = [], [], {}
         smallest = min(u.shape[-1] for u, _ in teachers)
@@ -425,8 +460,9 @@ class CrossTokenizerDistillationLossFn:
                 if cfg.gold_loss:
                     metrics[f"kl_common_t{i}"], metrics[f"l1_uncommon_t{i}"] = kd_i.detach() / t2, kd_i.new_zeros(())
             else:
-                kl_common, l1 = (masked_mean(v, mask_i, global_normalization_factor=g_toks)
-                                 for v in _gold(x_t, log_q, split))
+                kl_common, l1 = (
+                    masked_mean(v, mask_i, global_normalization_factor=g_toks) for v in _gold(x_t, log_q, split)
+                )
                 kd_i = t2 * (kl_common + l1)
                 metrics[f"kl_common_t{i}"], metrics[f"l1_uncommon_t{i}"] = kl_common.detach(), l1.detach()
             nu = math.log(u.shape[-1]) / math.log(smallest) if cfg.normalize_teacher_by_vocab else 1.0
@@ -457,8 +493,9 @@ class CrossTokenizerDistillationLossFn:
             values = log_q.amax(-1).exp()
         return masked_mean(values.detach(), mask)
 
-    def _averaged(self, x_t: Tensor, teachers: list[tuple[Tensor, Tensor]],
-                  g_toks: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    def _averaged(
+        self, x_t: Tensor, teachers: list[tuple[Tensor, Tensor]], g_toks: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """`averaged_logits`: one KD against the weighted mean of the aligned teacher logits."""
         cfg = self.cfg
         total = sum(cfg.teacher_weights)
@@ -467,7 +504,8 @@ class CrossTokenizerDistillationLossFn:
         for _, mask_i in teachers[1:]:
             mask = mask * mask_i
         log_q = torch.log_softmax(mean / cfg.temperature, -1)
-        kd = cfg.temperature ** 2 * masked_mean(_kl(x_t, log_q), mask, global_normalization_factor=g_toks)
-        weights = {f"weight_t{i}": x_t.new_tensor(w / total, dtype=torch.float32)
-                   for i, w in enumerate(cfg.teacher_weights)}
+        kd = cfg.temperature**2 * masked_mean(_kl(x_t, log_q), mask, global_normalization_factor=g_toks)
+        weights = {
+            f"weight_t{i}": x_t.new_tensor(w / total, dtype=torch.float32) for i, w in enumerate(cfg.teacher_weights)
+        }
         return kd, weights

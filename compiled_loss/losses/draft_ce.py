@@ -63,8 +63,12 @@ def _bins(mask: Tensor, bin_ids: Tensor | None, weights: Tensor | None, who: str
             f"{who}: bin_ids must be a long tensor of the mask's shape {tuple(mask.shape)} on {mask.device}, got "
             f"{bin_ids.dtype} {tuple(bin_ids.shape)} on {bin_ids.device}"
         )
-    if not torch.compiler.is_compiling() and bin_ids.numel() and not (
-        0 <= int(bin_ids.min()) and int(bin_ids.max()) < n_bins  # host
+    if (
+        not torch.compiler.is_compiling()
+        and bin_ids.numel()
+        and not (
+            0 <= int(bin_ids.min()) and int(bin_ids.max()) < n_bins  # host
+        )
     ):
         raise ValueError(f"{who}: bin_ids must lie in [0, {n_bins}), got [{int(bin_ids.min())}, {int(bin_ids.max())}]")
     return bin_ids, weights.float()
@@ -84,9 +88,11 @@ def _check_draft_inputs(student: Tensor, student_vocab: int, teacher: Tensor, ma
     teacher `[..., V]` and mask `[...]` agree; one device; a valid chunk size."""
     rows = tuple(teacher.shape[:-1])
     if teacher.dim() < 2 or tuple(student.shape[:-1]) != rows or student_vocab != teacher.shape[-1]:
-        raise ValueError(f"{who}: the student and teacher_logits must have matching [..., V] shapes, got "
-                         f"student {tuple(student.shape[:-1])} × V={student_vocab} and teacher "
-                         f"{tuple(teacher.shape)}")
+        raise ValueError(
+            f"{who}: the student and teacher_logits must have matching [..., V] shapes, got "
+            f"student {tuple(student.shape[:-1])} × V={student_vocab} and teacher "
+            f"{tuple(teacher.shape)}"
+        )
     if teacher.numel() == 0:
         raise ValueError(f"{who}: needs at least one token and one vocabulary entry, got {tuple(teacher.shape)}")
     if tuple(mask.shape) != rows:
@@ -121,8 +127,12 @@ def streaming_vocab_parallel_soft_ce(
     _check_draft_inputs(student_logits, student_logits.shape[-1], teacher_logits, mask, token_chunk_size, who)
     bin_ids, weights = _bins(mask, bin_ids, weights, who)
     vocab = student_logits.shape[-1]
-    stats = vocab_reduce(student_logits.reshape(-1, vocab), teacher=teacher_logits.reshape(-1, vocab),
-                         chunk_size=token_chunk_size, group=tp_group)
+    stats = vocab_reduce(
+        student_logits.reshape(-1, vocab),
+        teacher=teacher_logits.reshape(-1, vocab),
+        chunk_size=token_chunk_size,
+        group=tp_group,
+    )
     return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
 
 
@@ -146,21 +156,35 @@ def projected_streaming_vocab_parallel_soft_ce(
     otherwise)."""
     who = "projected_streaming_vocab_parallel_soft_ce"
     if output_weight.dim() != 2 or output_weight.shape[1] != student_hidden.shape[-1]:
-        raise ValueError(f"{who}: output_weight must be [V, H] with H = student_hidden's last dim "
-                         f"{student_hidden.shape[-1]}, got {tuple(output_weight.shape)}")
+        raise ValueError(
+            f"{who}: output_weight must be [V, H] with H = student_hidden's last dim "
+            f"{student_hidden.shape[-1]}, got {tuple(output_weight.shape)}"
+        )
     _check_draft_inputs(student_hidden, output_weight.shape[0], teacher_logits, mask, token_chunk_size, who)
     bin_ids, weights = _bins(mask, bin_ids, weights, who)
     if group_size(tp_group) > 1 and not torch.compiler.is_compiling():
         check_agreement(
             f"{who}'s inputs (shapes, dtypes, token_chunk_size; mask, bin_ids and weights exactly)",
-            (tuple(student_hidden.shape), str(student_hidden.dtype), tuple(output_weight.shape),
-             str(output_weight.dtype), tuple(teacher_logits.shape), token_chunk_size,
-             _fingerprint(mask), _fingerprint(bin_ids), _fingerprint(weights)),
+            (
+                tuple(student_hidden.shape),
+                str(student_hidden.dtype),
+                tuple(output_weight.shape),
+                str(output_weight.dtype),
+                tuple(teacher_logits.shape),
+                token_chunk_size,
+                _fingerprint(mask),
+                _fingerprint(bin_ids),
+                _fingerprint(weights),
+            ),
             tp_group,
         )
     hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
-    stats = vocab_reduce(LinearLogits(hidden, output_weight), teacher=teacher_logits.reshape(hidden.shape[0], -1),
-                         chunk_size=token_chunk_size, group=tp_group)
+    stats = vocab_reduce(
+        LinearLogits(hidden, output_weight),
+        teacher=teacher_logits.reshape(hidden.shape[0], -1),
+        chunk_size=token_chunk_size,
+        group=tp_group,
+    )
     return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
 
 
@@ -207,9 +231,14 @@ def dflash_projected_vocab_parallel_soft_ce(
         zeros = torch.zeros(gamma, device=draft_hidden.device)
         return DraftLossStats(zeros + 0 * draft_hidden.float().sum(), zeros, weights)
     return projected_streaming_vocab_parallel_soft_ce(
-        student_hidden=draft_hidden[:, 1:], output_weight=output_weight, teacher_logits=teacher, mask=mask.float(),
-        token_chunk_size=token_chunk_size, tp_group=tp_group,
-        bin_ids=slot[:gamma].expand(blocks, gamma).contiguous(), weights=weights,
+        student_hidden=draft_hidden[:, 1:],
+        output_weight=output_weight,
+        teacher_logits=teacher,
+        mask=mask.float(),
+        token_chunk_size=token_chunk_size,
+        tp_group=tp_group,
+        bin_ids=slot[:gamma].expand(blocks, gamma).contiguous(),
+        weights=weights,
     )
 
 
@@ -247,8 +276,11 @@ class DraftCrossEntropyLossFn:
         require_keys(data, ("sample_mask",), who)
         mask = token_mask * data["sample_mask"].reshape((-1,) + (1,) * (token_mask.dim() - 1))
         return streaming_vocab_parallel_soft_ce(
-            student_logits=student_logits, teacher_logits=teacher_logits, mask=mask,
-            token_chunk_size=self.token_chunk_size, tp_group=self.vocab_parallel_group,
+            student_logits=student_logits,
+            teacher_logits=teacher_logits,
+            mask=mask,
+            token_chunk_size=self.token_chunk_size,
+            tp_group=self.vocab_parallel_group,
         )
 
     def __call__(

@@ -54,8 +54,10 @@ class OPDFullConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        require(self.chunk_size is None or self.chunk_size >= 1,
-                f"opd_full.chunk_size must be None or >= 1, got {self.chunk_size}")
+        require(
+            self.chunk_size is None or self.chunk_size >= 1,
+            f"opd_full.chunk_size must be None or >= 1, got {self.chunk_size}",
+        )
 
     @property
     def with_entropy(self) -> bool:
@@ -88,17 +90,22 @@ def validate_opd_full(cfg: Any, use_fused_linear_logprobs: bool) -> None:
     if cfg.reference_policy_kl_penalty != 0:
         warnings.warn(
             f"opd_full with reference_policy_kl_penalty={cfg.reference_policy_kl_penalty}: the sampled "
-            "reference KL is added to the distillation loss", stacklevel=4,
+            "reference KL is added to the distillation loss",
+            stacklevel=4,
         )
 
 
 def opd_full_normalizations(opd: OPDFullConfig, token_level: bool) -> dict[str, MetricNormalizer]:
     """ref §4.1.3 (the map that replaces the policy-gradient one)."""
     grad = "TOKENS" if token_level else "SEQUENCES"
-    tokens = ("opd_full_reverse_kl",) + (("opd_full_entropy",) if opd.with_entropy else ()) + (
-        ("opd_full_cross_entropy",) if opd.with_cross_entropy else ())
+    tokens = (
+        ("opd_full_reverse_kl",)
+        + (("opd_full_entropy",) if opd.with_entropy else ())
+        + (("opd_full_cross_entropy",) if opd.with_cross_entropy else ())
+    )
     none = ("num_valid_samples", "opd_full_reverse_kl_min", "opd_full_reverse_kl_max") + (
-        ("opd_full_decomposition_error",) if opd.validate_decomposition else ())
+        ("opd_full_decomposition_error",) if opd.validate_decomposition else ()
+    )
     return {**normalizations(TOKENS=tokens, NONE=none), **normalizations(**{grad: ("loss", KL_PENALTY_KEY)})}
 
 
@@ -121,12 +128,17 @@ def opd_full_objective(
     require_keys(data, ("token_mask", "sample_mask"), who)
     rows, width = data["token_mask"].shape
     shape = (rows, max(width - 1, 0))
-    for name, value in (("opd_full_divergence", divergence), ("opd_full_entropy", entropy),
-                        ("opd_full_cross_entropy", cross_entropy)):
+    for name, value in (
+        ("opd_full_divergence", divergence),
+        ("opd_full_entropy", entropy),
+        ("opd_full_cross_entropy", cross_entropy),
+    ):
         if value is not None:
             require_shape(value, shape, f"{name} ([B, S-1])", who)
-    for name, needed, value in (("opd_full_entropy", opd.with_entropy, entropy),
-                                ("opd_full_cross_entropy", opd.with_cross_entropy, cross_entropy)):
+    for name, needed, value in (
+        ("opd_full_entropy", opd.with_entropy, entropy),
+        ("opd_full_cross_entropy", opd.with_cross_entropy, cross_entropy),
+    ):
         if needed and value is None:
             raise ValueError(f"{who}: the config reports {name}; the input preparation must pass it")
     tm, sm = float_masks(data, divergence.dtype)
@@ -141,7 +153,11 @@ def opd_full_objective(
         check_logprob_inputs(next_token_logprobs, data, ("reference_policy_logprobs",), who)
         lp, lp_ref = zero_outside(mask, next_token_logprobs, data["reference_policy_logprobs"][:, 1:])
         kl_tok = beta * calculate_kl(
-            lp, lp_ref, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value,
+            lp,
+            lp_ref,
+            cfg.reference_policy_kl_type,
+            cfg.kl_input_clamp_value,
+            cfg.kl_output_clamp_value,
             nan_to_zero(torch.exp(lp - lp.detach())),
         )
         kl = reduce_like_loss(kl_tok, tm, sm, token_level, g_toks, g_seqs)
@@ -158,8 +174,9 @@ def opd_full_objective(
     if opd.with_entropy:
         metrics["opd_full_entropy"] = masked_mean(entropy.detach(), mask, global_normalization_factor=g_toks)
     if opd.with_cross_entropy:
-        metrics["opd_full_cross_entropy"] = masked_mean(cross_entropy.detach(), mask,
-                                                        global_normalization_factor=g_toks)
+        metrics["opd_full_cross_entropy"] = masked_mean(
+            cross_entropy.detach(), mask, global_normalization_factor=g_toks
+        )
     if opd.validate_decomposition:
         metrics["opd_full_decomposition_error"] = masked_max((cross_entropy - entropy - d).abs().detach(), mask)
     return loss, metrics

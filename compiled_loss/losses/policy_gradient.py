@@ -101,8 +101,12 @@ class ClippedPGLossConfig:
         for name in ("kl_input_clamp_value", "kl_output_clamp_value", "truncated_importance_sampling_ratio"):
             value = getattr(self, name)
             require(value is None or value > 0, f"{name} must be > 0 (or None), got {value}")
-        for name in ("ratio_clip_min", "ratio_clip_max", "truncated_importance_sampling_ratio_min",
-                     "positive_example_nll_weight"):
+        for name in (
+            "ratio_clip_min",
+            "ratio_clip_max",
+            "truncated_importance_sampling_ratio_min",
+            "positive_example_nll_weight",
+        ):
             value = getattr(self, name)
             require(value is None or value >= 0, f"{name} must be >= 0, got {value}")
         clamp = self.kl_input_clamp_value
@@ -121,8 +125,7 @@ class ClippedPGLossConfig:
         if self.sequence_level_importance_ratios:
             require(
                 not self.token_level_loss,
-                "sequence_level_importance_ratios=True requires token_level_loss=False "
-                "(GSPO is a sequence-level loss)",
+                "sequence_level_importance_ratios=True requires token_level_loss=False (GSPO is a sequence-level loss)",
             )
         if self.use_cispo:
             for field, bad in (
@@ -144,8 +147,7 @@ class ClippedPGLossConfig:
             if tis_type in ("icepop", "seq-mask-tis"):
                 require(
                     lo is not None,
-                    f"truncated_importance_sampling_type={tis_type!r} requires "
-                    "truncated_importance_sampling_ratio_min",
+                    f"truncated_importance_sampling_type={tis_type!r} requires truncated_importance_sampling_ratio_min",
                 )
             if tis_type == "seq-mask-tis":
                 require(
@@ -250,8 +252,16 @@ class ClippedPGLossFn:
     @property
     def _minimal_metrics(self) -> frozenset[str]:
         """The metrics `metrics_level='minimal'` keeps."""
-        keys = {"loss", KL_PENALTY_KEY, "num_valid_samples", "positive_nll_loss", "is_oob_ratio",
-                "seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs", "num_masked_seqs_by_logprob_error"}
+        keys = {
+            "loss",
+            KL_PENALTY_KEY,
+            "num_valid_samples",
+            "positive_nll_loss",
+            "is_oob_ratio",
+            "seq_logprob_error_valid_tokens",
+            "seq_logprob_error_valid_seqs",
+            "num_masked_seqs_by_logprob_error",
+        }
         if self.cfg.use_importance_sampling_correction:
             keys.add("sampling_importance_ratio")
         return frozenset(keys)
@@ -269,10 +279,23 @@ class ClippedPGLossFn:
             return opd_full_normalizations(self.opd_full, self.cfg.token_level_loss)
         grad = "TOKENS" if self.cfg.token_level_loss else "SEQUENCES"
         out = normalizations(
-            TOKENS=("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
-                    "policy_kl_error", "js_divergence_error", APPROX_ENTROPY_KEY),
-            NONE=("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max",
-                  "probs_ratio_clamped_min", "probs_ratio_clamped_max"),
+            TOKENS=(
+                "probs_ratio",
+                "probs_ratio_clamped",
+                "token_mult_prob_error",
+                "gen_kl_error",
+                "policy_kl_error",
+                "js_divergence_error",
+                APPROX_ENTROPY_KEY,
+            ),
+            NONE=(
+                "num_valid_samples",
+                "positive_nll_loss",
+                "probs_ratio_min",
+                "probs_ratio_max",
+                "probs_ratio_clamped_min",
+                "probs_ratio_clamped_max",
+            ),
         )
         out.update(normalizations(**{grad: ("loss", KL_PENALTY_KEY)}))
         seq_is = self.cfg.sequence_level_importance_ratios
@@ -281,8 +304,15 @@ class ClippedPGLossFn:
             seq_tis = self._tis_type == "seq-mask-tis"
             out["is_oob_ratio"] = MetricNormalizer.SEQUENCES if seq_tis else MetricNormalizer.TOKENS
         if self.cfg.seq_logprob_error_in_loss:
-            out.update(normalizations(NONE=("seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs",
-                                            "num_masked_seqs_by_logprob_error")))
+            out.update(
+                normalizations(
+                    NONE=(
+                        "seq_logprob_error_valid_tokens",
+                        "seq_logprob_error_valid_seqs",
+                        "num_masked_seqs_by_logprob_error",
+                    )
+                )
+            )
         return out
 
     def __call__(
@@ -314,9 +344,16 @@ class ClippedPGLossFn:
             if divergence is None:
                 raise ValueError("ClippedPGLossFn(opd_full): opd_full_divergence ([B, S-1]) is required")
             loss, metrics = opd_full_objective(
-                self.cfg, self.opd_full, data, global_valid_seqs, global_valid_toks, divergence,
-                opd_full_inputs.get("opd_full_entropy"), opd_full_inputs.get("opd_full_cross_entropy"),
-                next_token_logprobs, self.reference_policy_kl_penalty,
+                self.cfg,
+                self.opd_full,
+                data,
+                global_valid_seqs,
+                global_valid_toks,
+                divergence,
+                opd_full_inputs.get("opd_full_entropy"),
+                opd_full_inputs.get("opd_full_cross_entropy"),
+                next_token_logprobs,
+                self.reference_policy_kl_penalty,
             )
         else:
             if any(v is not None for v in opd_full_inputs.values()):
@@ -432,8 +469,12 @@ class ClippedPGLossFn:
         else:
             w_kl = torch.exp(x.lp_u - x.lp_u.detach())
         kl_tok = beta * calculate_kl(
-            x.lp_u, x.lp_ref, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value,
-            cfg.kl_output_clamp_value, nan_to_zero(w_kl),
+            x.lp_u,
+            x.lp_ref,
+            cfg.reference_policy_kl_type,
+            cfg.kl_input_clamp_value,
+            cfg.kl_output_clamp_value,
+            nan_to_zero(w_kl),
         )
         return self._reduce(kl_tok, x, g_toks, g_seqs)
 

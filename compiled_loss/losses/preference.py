@@ -45,9 +45,7 @@ _PAIR_KEYS = ("pair_index", "is_chosen")
 
 def check_even_rows(rows: int, who: str) -> None:
     if rows % 2:
-        raise ValueError(
-            f"{who}: rows must be interleaved (chosen, rejected) pairs, got an odd batch of {rows}"
-        )
+        raise ValueError(f"{who}: rows must be interleaved (chosen, rejected) pairs, got an odd batch of {rows}")
 
 
 def _pair_keys(data: Mapping[str, Tensor]) -> Tensor | None:
@@ -114,9 +112,7 @@ def _preference_loss(
     return loss, {
         "accuracy": masked_mean((chosen > rejected).to(rewards.dtype), sm_pair, global_normalization_factor=g_pairs),
         "rewards_chosen_mean": masked_mean(chosen_own.detach(), sm_chosen, global_normalization_factor=g_pairs),
-        "rewards_rejected_mean": masked_mean(
-            rejected_own.detach(), sm_rejected, global_normalization_factor=g_pairs
-        ),
+        "rewards_rejected_mean": masked_mean(rejected_own.detach(), sm_rejected, global_normalization_factor=g_pairs),
         "num_valid_samples": sample_mask.sum() / 2,
     }
 
@@ -210,8 +206,14 @@ def _in_pair_order(order: Tensor | None, *rows: Tensor) -> tuple[Tensor, ...]:
     return rows if order is None else tuple(r[order] for r in rows)
 
 
-def _chosen_sft(lp: Tensor, data: Mapping[str, Tensor], order: Tensor | None, sm: Tensor, average: bool,
-                global_valid_seqs: Tensor | None) -> Tensor:
+def _chosen_sft(
+    lp: Tensor,
+    data: Mapping[str, Tensor],
+    order: Tensor | None,
+    sm: Tensor,
+    average: bool,
+    global_valid_seqs: Tensor | None,
+) -> Tensor:
     """The chosen rows' summed (or averaged) NLL, `masked_mean` over chosen rows with G_s/2
     (`sm` already in pair order)."""
     per_row, _ = NLLLossFn()(lp, data, None, None, dpo_loss=True, dpo_average_log_probs=average)
@@ -243,8 +245,9 @@ class DPOLossFn:
 
     @property
     def metric_normalizations(self) -> dict[str, MetricNormalizer]:
-        return _sequence_normalizations("loss", "sft_loss", "preference_loss", "accuracy",
-                                        "rewards_chosen_mean", "rewards_rejected_mean")
+        return _sequence_normalizations(
+            "loss", "sft_loss", "preference_loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean"
+        )
 
     def __call__(
         self,
@@ -302,8 +305,9 @@ class MPOLossConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        _require_weights(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight",
-                         "bco_loss_weight")
+        _require_weights(
+            self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight", "bco_loss_weight"
+        )
         m = self.reward_shift_momentum
         require(0.0 <= m < 1.0, f"reward_shift_momentum must be in [0, 1), got {m}")
 
@@ -363,8 +367,17 @@ class MPOLossFn:
     @property
     def metric_normalizations(self) -> dict[str, MetricNormalizer]:
         return normalizations(
-            SEQUENCES=("loss", "sft_loss", "preference_loss", "bco_loss", "accuracy", "rewards_chosen_mean",
-                       "rewards_rejected_mean", "bco_rewards_chosen_mean", "bco_rewards_rejected_mean"),
+            SEQUENCES=(
+                "loss",
+                "sft_loss",
+                "preference_loss",
+                "bco_loss",
+                "accuracy",
+                "rewards_chosen_mean",
+                "rewards_rejected_mean",
+                "bco_rewards_chosen_mean",
+                "bco_rewards_rejected_mean",
+            ),
             NONE=("num_valid_samples", "bco_reward_sum", "bco_reward_count"),
         )
 

@@ -26,8 +26,7 @@ def to_cpu_int_tuple(values: Tensor | Sequence[int], name: str = "values") -> Cp
     if isinstance(values, Tensor):
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
             raise ValueError(
-                f"{name} must be a 1-D integer tensor, got dtype {values.dtype} and shape "
-                f"{tuple(values.shape)}"
+                f"{name} must be a 1-D integer tensor, got dtype {values.dtype} and shape {tuple(values.shape)}"
             )
         return tuple(values.tolist())  # host
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
@@ -48,12 +47,12 @@ def _check_boundaries(cu: CpuIntTuple, name: str) -> None:
     for i in range(len(cu) - 1):
         if cu[i + 1] < cu[i]:
             raise ValueError(
-                f"{name} must be non-decreasing, got {name}[{i}] = {cu[i]} > "
-                f"{name}[{i + 1}] = {cu[i + 1]}"
+                f"{name} must be non-decreasing, got {name}[{i}] = {cu[i]} > {name}[{i + 1}] = {cu[i + 1]}"
             )
     if cu[-1] > MAX_PACKED_TOKENS:
-        raise ValueError(f"{name} totals {cu[-1]} packed tokens, more than the {MAX_PACKED_TOKENS} an int32 "
-                         "cu_seqlens can address")
+        raise ValueError(
+            f"{name} totals {cu[-1]} packed tokens, more than the {MAX_PACKED_TOKENS} an int32 cu_seqlens can address"
+        )
 
 
 def check_cu_seqlens(
@@ -71,9 +70,7 @@ def check_cu_seqlens(
     cup = to_cpu_int_tuple(cu_seqlens_padded, pname)
     _check_boundaries(cup, pname)
     if len(cup) != len(cu):
-        raise ValueError(
-            f"{pname} must have as many entries as {name} ({len(cu)}), got {len(cup)}"
-        )
+        raise ValueError(f"{pname} must have as many entries as {name} ({len(cu)}), got {len(cup)}")
     for i in range(len(cu) - 1):
         true_len, padded_len = cu[i + 1] - cu[i], cup[i + 1] - cup[i]
         if padded_len < true_len:

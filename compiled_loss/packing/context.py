@@ -53,8 +53,9 @@ class ContextShards:
         return self.local_to_global.shape[0]
 
     def to(self, device: torch.device | str) -> ContextShards:
-        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in
-                                            ("local_to_global", "gather_index", "heads", "successor")})
+        return dataclasses.replace(
+            self, **{f: getattr(self, f).to(device) for f in ("local_to_global", "gather_index", "heads", "successor")}
+        )
 
     def local(self, x: Tensor) -> Tensor:
         """The local slots' entries of a global `[T, ...]` tensor."""
@@ -80,8 +81,11 @@ class ContextShards:
         layout (lengths multiples of 2·cp); slots after the last segment (the bucket tail,
         a multiple of cp) are split evenly and have no successor. Every rank of the group must
         pass the same layout (checked, a ValueError on every rank otherwise)."""
-        check_agreement("the context-parallel layout (segment starts, padded lengths, slots)",
-                        (tuple(starts), tuple(lengths), slots), group)
+        check_agreement(
+            "the context-parallel layout (segment starts, padded lengths, slots)",
+            (tuple(starts), tuple(lengths), slots),
+            group,
+        )
         cp, rank = group_size(group), group_rank(group)
         total = sum(lengths)
         bad = [i for i, n in enumerate(lengths) if n % (2 * cp)]
@@ -105,13 +109,13 @@ class ContextShards:
         `[B, S_pad]` flattened. Index arithmetic only (traceable, static shapes). Every rank of
         the group must pass the same rows and width: checked in eager mode (a ValueError on
         every rank otherwise); compiled callers check on the host."""
-        check_agreement("the context-parallel layout of unpacked rows (rows B, padded width cp · S_local)",
-                        (rows, width), group)
+        check_agreement(
+            "the context-parallel layout of unpacked rows (rows B, padded width cp · S_local)", (rows, width), group
+        )
         cp, rank = group_size(group), group_rank(group)
         if width % (2 * cp):
             raise ValueError(
-                f"with context parallel size {cp} the padded row width must be a multiple of 2*cp={2 * cp}, "
-                f"got {width}"
+                f"with context parallel size {cp} the padded row width must be a multiple of 2*cp={2 * cp}, got {width}"
             )
         slot = torch.arange(rows * width, device=device)
         seg = slot // width
@@ -121,8 +125,9 @@ class ContextShards:
         return _shards(seg, slot - seg * width, seg_len, seg_start, rows, cp, rank, group)
 
 
-def _shards(seg: Tensor, pos: Tensor, seg_len: Tensor, seg_start: Tensor, tail: int, cp: int, rank: int,
-            group: Any) -> ContextShards:
+def _shards(
+    seg: Tensor, pos: Tensor, seg_len: Tensor, seg_start: Tensor, tail: int, cp: int, rank: int, group: Any
+) -> ContextShards:
     """The maps, from each global slot's segment (`tail` = the tail's id) and position."""
     slots = seg.shape[0]
     local_slots = slots // cp
@@ -149,7 +154,6 @@ def _shards(seg: Tensor, pos: Tensor, seg_len: Tensor, seg_start: Tensor, tail: 
     crosses = nq != q
     n_heads = 2 * tail
     to_head = local_slots + n_owner * n_heads + head_id
-    successor_global = torch.where(has_next, torch.where(crosses, to_head, same_rank_local),
-                                   local_slots + cp * n_heads)
+    successor_global = torch.where(has_next, torch.where(crosses, to_head, same_rank_local), local_slots + cp * n_heads)
     successor = successor_global.index_select(0, local_to_global)
     return ContextShards(group, cp, rank, local_to_global, gather_index, heads, successor)

@@ -76,14 +76,11 @@ def row_width(data: Mapping[str, Tensor]) -> int:
         if key in data:
             return data[key].shape[1]
     raise ValueError(
-        f"data must hold 'input_ids' or 'token_mask' ([B, S]) to give the row width; "
-        f"present: {sorted(data)}"
+        f"data must hold 'input_ids' or 'token_mask' ([B, S]) to give the row width; present: {sorted(data)}"
     )
 
 
-def pad_to_bucket(
-    data: Mapping[str, Tensor], rows: int, num_rows: int, grid: BucketGrid
-) -> dict[str, Tensor]:
+def pad_to_bucket(data: Mapping[str, Tensor], rows: int, num_rows: int, grid: BucketGrid) -> dict[str, Tensor]:
     """Zero-pad every batch tensor from `[rows, S, ...]` to the bucket `[num_rows, S_b, ...]`.
 
     Dimension 0 is the batch dimension of every tensor (as in NeMo-RL's
@@ -104,8 +101,7 @@ def pad_to_bucket(
         if value.shape[0] != num_rows:
             if value.shape[0] != rows:
                 raise ValueError(
-                    f"data[{key!r}] must have {rows} rows (one per packed sequence), "
-                    f"got shape {tuple(value.shape)}"
+                    f"data[{key!r}] must have {rows} rows (one per packed sequence), got shape {tuple(value.shape)}"
                 )
             pad[-1] = num_rows - rows
         if value.dim() >= 2 and value.shape[1] == width:
@@ -197,9 +193,7 @@ class PackedLayout:
             **{k: v.to(device) for k, v in tensors.items()},
         )
 
-    _copies: dict[torch.device, PackedLayout] = dataclasses.field(
-        default_factory=dict, init=False, repr=False
-    )
+    _copies: dict[torch.device, PackedLayout] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -222,8 +216,7 @@ class PackedLayout:
         return dataclasses.replace(
             self,
             shards=None if self.shards is None else self.shards.to(device),
-            **{f: getattr(self, f).to(device)
-               for f in ("slot_row", "slot_col", "slot_last", "row_start", "row_len")},
+            **{f: getattr(self, f).to(device) for f in ("slot_row", "slot_col", "slot_last", "row_start", "row_len")},
         )
 
     # ---- host side -------------------------------------------------------------------

@@ -45,8 +45,10 @@ def check_inputs_agree(
     if isinstance(next_token_logits, LinearLogits):
         logits = {f"next_token_logits.{k}": getattr(next_token_logits, k) for k in ("hidden", "weight", "bias")}
     check_agreement(
-        f"{who}'s inputs (shapes and dtypes)", {**logits, **{f"data[{k!r}]": v for k, v in data.items()}, **more},
-        vocab_parallel_group, context_parallel_group,
+        f"{who}'s inputs (shapes and dtypes)",
+        {**logits, **{f"data[{k!r}]": v for k, v in data.items()}, **more},
+        vocab_parallel_group,
+        context_parallel_group,
     )
 
 
@@ -64,8 +66,9 @@ def wrap_loss_fn_with_input_preparation(
     """`prepare_fn` then `loss_fn` on an unpacked `[B, S]` micro-batch (ref §7.6). Under
     tensor / context parallelism an eager call first checks that the ranks agree on every
     shape and dtype (`check_inputs_agree`)."""
-    check_inputs_agree("wrap_loss_fn_with_input_preparation", next_token_logits, data, vocab_parallel_group,
-                       context_parallel_group)
+    check_inputs_agree(
+        "wrap_loss_fn_with_input_preparation", next_token_logits, data, vocab_parallel_group, context_parallel_group
+    )
     loss_input, data = prepare_fn(
         logits=next_token_logits,
         data=data,
@@ -133,8 +136,13 @@ def sequence_packing_loss(
     )
     if fused:
         loss_input, data = prepare_fn(
-            logits=next_token_logits, data=data, loss_fn=loss_fn, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_q_padded=cu_seqlens_q_padded, layout=layout, **groups,
+            logits=next_token_logits,
+            data=data,
+            loss_fn=loss_fn,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            layout=layout,
+            **groups,
         )
     else:
         unpacked = per_position(packed, lambda x: layout.unpack(x, row_width(data)))

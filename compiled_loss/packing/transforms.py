@@ -46,9 +46,7 @@ def pack_source_index(
             )
     local_len = padded // cp_size
     row = torch.repeat_interleave(torch.arange(n_seq), local_len)
-    q = torch.arange(int(local_len.sum())) - torch.repeat_interleave(
-        torch.cumsum(local_len, 0) - local_len, local_len
-    )
+    q = torch.arange(int(local_len.sum())) - torch.repeat_interleave(torch.cumsum(local_len, 0) - local_len, local_len)
     if cp_size > 1:
         chunk = (padded // (2 * cp_size))[row]
         first = q < chunk
@@ -96,9 +94,7 @@ def pack_input_ids(
     cu, cup = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q_padded)
     rows, width = input_ids.shape[:2]
     if rows != len(cu) - 1:
-        raise ValueError(
-            f"input_ids must have one row per sequence ({len(cu) - 1}), got {tuple(input_ids.shape)}"
-        )
+        raise ValueError(f"input_ids must have one row per sequence ({len(cu) - 1}), got {tuple(input_ids.shape)}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
     row, pos = pack_source_index(cup, cp_rank=cp_rank, cp_size=cp_size, roll_shift=roll_shift)

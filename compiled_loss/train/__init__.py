@@ -12,5 +12,11 @@ from compiled_loss.train.recorder import CompileRecorder, CompileReport
 from compiled_loss.train.step import StepResult, TrainStep, build_train_step
 
 __all__ = [
-    "CompileRecorder", "CompileReport", "CompiledModule", "StepResult", "TrainStep", "build_train_step", "compile_loss",
+    "CompileRecorder",
+    "CompileReport",
+    "CompiledModule",
+    "StepResult",
+    "TrainStep",
+    "build_train_step",
+    "compile_loss",
 ]

@@ -23,8 +23,17 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 # Ops whose output size or value is data dependent: a device->host sync inside a graph.
 SYNC_OPS = frozenset(
-    {"item", "_local_scalar_dense", "nonzero", "unique", "masked_select", "tolist",
-     "repeat_interleave", "unique_consecutive", "argwhere"}
+    {
+        "item",
+        "_local_scalar_dense",
+        "nonzero",
+        "unique",
+        "masked_select",
+        "tolist",
+        "repeat_interleave",
+        "unique_consecutive",
+        "argwhere",
+    }
 )
 
 

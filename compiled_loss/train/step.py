@@ -81,18 +81,24 @@ from compiled_loss.vocab import per_position
 Tensor = torch.Tensor
 
 
-def _captured(model, ids, positions, segments, *, aux_layers, linear_logits=False, documents=None, loss_mask=None,
-              noise=None):
+def _captured(
+    model, ids, positions, segments, *, aux_layers, linear_logits=False, documents=None, loss_mask=None, noise=None
+):
     """The model forward (`linear_logits`: the model returns `LinearLogits`); with a drafter
     (`aux_layers`) also the `DraftBatch` it captured: the raw logits (before temperature)
     and the auxiliary layers' outputs, detached."""
     if aux_layers is None:
-        return (model(ids, positions, segments, linear_logits=True) if linear_logits
-                else model(ids, positions, segments)), None
+        return (
+            model(ids, positions, segments, linear_logits=True) if linear_logits else model(ids, positions, segments)
+        ), None
     logits, hidden = model(ids, positions, segments, return_hidden=True)
     batch = DraftBatch(
-        input_ids=ids, hidden_states=aux_hidden_states(hidden, aux_layers),
-        teacher_logits=logits.detach(), loss_mask=loss_mask, document_ids=documents, position_ids=positions,
+        input_ids=ids,
+        hidden_states=aux_hidden_states(hidden, aux_layers),
+        teacher_logits=logits.detach(),
+        loss_mask=loss_mask,
+        document_ids=documents,
+        position_ids=positions,
         anchor_noise=noise,
     )
     return logits, batch
@@ -104,12 +110,17 @@ def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_log
     positions = torch.where(layout.slot_col < layout.tokens, layout.slot_col, 0)
     ids = layout.pack(data["input_ids"])[None]
     if aux_layers is None:
-        logits, batch = _captured(model, ids, positions[None], layout.slot_row[None], aux_layers=None,
-                                  linear_logits=linear_logits)
+        logits, batch = _captured(
+            model, ids, positions[None], layout.slot_row[None], aux_layers=None, linear_logits=linear_logits
+        )
     else:
         real = layout.slot_col < layout.row_len[layout.slot_row]
         logits, batch = _captured(
-            model, ids, positions[None], layout.slot_row[None], aux_layers=aux_layers,
+            model,
+            ids,
+            positions[None],
+            layout.slot_row[None],
+            aux_layers=aux_layers,
             documents=torch.where(real, layout.slot_row, -1)[None],
             loss_mask=layout.pack(data["token_mask"] * data["sample_mask"][:, None])[None],
             noise=layout.pack(data["anchor_noise"])[None],
@@ -120,8 +131,16 @@ def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_log
 
 def _packed_loss(logits, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn, prepare_fn, fused, tp, cp):
     return sequence_packing_loss(
-        logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, layout=layout, fused=fused,
-        vocab_parallel_group=tp, context_parallel_group=cp,
+        logits,
+        data,
+        g_seqs,
+        g_toks,
+        loss_fn=loss_fn,
+        prepare_fn=prepare_fn,
+        layout=layout,
+        fused=fused,
+        vocab_parallel_group=tp,
+        context_parallel_group=cp,
     )
 
 
@@ -134,12 +153,17 @@ def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_lay
     ids = torch.nn.functional.pad(data["input_ids"], (0, pad))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     if aux_layers is None:
-        logits, batch = _captured(model, ids, positions, torch.zeros_like(ids), aux_layers=None,
-                                  linear_logits=linear_logits)
+        logits, batch = _captured(
+            model, ids, positions, torch.zeros_like(ids), aux_layers=None, linear_logits=linear_logits
+        )
     else:  # the drafter reads whole rows (the context-parallel padding masked out)
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
         logits, batch = _captured(
-            model, ids, positions, torch.zeros_like(ids), aux_layers=aux_layers,
+            model,
+            ids,
+            positions,
+            torch.zeros_like(ids),
+            aux_layers=aux_layers,
             documents=torch.where(positions < data["input_lengths"][:, None], rows, -1),
             loss_mask=torch.nn.functional.pad(data["token_mask"] * data["sample_mask"][:, None], (0, pad)),
             noise=torch.nn.functional.pad(data["anchor_noise"], (0, pad)),
@@ -153,7 +177,13 @@ def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_lay
 
 def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
     return wrap_loss_fn_with_input_preparation(
-        logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, vocab_parallel_group=tp,
+        logits,
+        data,
+        g_seqs,
+        g_toks,
+        loss_fn=loss_fn,
+        prepare_fn=prepare_fn,
+        vocab_parallel_group=tp,
         context_parallel_group=cp,
     )
 
@@ -212,8 +242,12 @@ class TrainStep:
     """One optimizer step over a global batch; see the module docstring."""
 
     def __init__(
-        self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        groups: ParallelGroups = ParallelGroups(), draft_runtime: DraftRuntimeBase | None = None,
+        self,
+        cfg: Config,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        groups: ParallelGroups = ParallelGroups(),
+        draft_runtime: DraftRuntimeBase | None = None,
         loss_fn: Any = None,
     ) -> None:
         self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
@@ -233,20 +267,26 @@ class TrainStep:
         if packing.mode == PackingMode.none:
             self._logits = functools.partial(_padded_logits, temperature=lp.temperature, cp=groups.cp, **capture)
             loss: Callable[..., Any] = functools.partial(
-                _padded_loss, loss_fn=self.loss_fn, prepare_fn=functools.partial(prepare_loss_input, **prepare_kwargs),
+                _padded_loss,
+                loss_fn=self.loss_fn,
+                prepare_fn=functools.partial(prepare_loss_input, **prepare_kwargs),
                 **groups_kw,
             )
         else:  # per-sequence semantics under CP: each rank's slots, as SequencePackingLossWrapper does
             fused = packing.mode == PackingMode.fused or cp > 1
             base = prepare_packed_loss_input if fused else prepare_loss_input
             self._logits = functools.partial(_packed_logits, temperature=lp.temperature, **capture)
-            loss = functools.partial(_packed_loss, loss_fn=self.loss_fn,
-                                     prepare_fn=functools.partial(base, **prepare_kwargs), fused=fused, **groups_kw)
+            loss = functools.partial(
+                _packed_loss,
+                loss_fn=self.loss_fn,
+                prepare_fn=functools.partial(base, **prepare_kwargs),
+                fused=fused,
+                **groups_kw,
+            )
         # Parallel runs replicate the model with DistributedDataParallel, whose forward does
         # not trace: DDP runs eagerly around the compiled model, and the loss compiles alone
         self._model_outside = groups.rank_count > 1
-        draft = None if draft_runtime is None else functools.partial(
-            _with_draft, runtime=draft_runtime, tp=groups.tp)
+        draft = None if draft_runtime is None else functools.partial(_with_draft, runtime=draft_runtime, tp=groups.tp)
         if not self._model_outside:
             fn = functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss, draft=draft)
         else:
@@ -294,10 +334,20 @@ class TrainStep:
         ranges = split_rows(len(lengths), self.cfg.run.micro_batches, 2 if self.pairs else 1)
         # every rank runs a collective per micro-batch (DDP's gradient all-reduce, the
         # wrappers' TP / CP collectives), and the TP / CP ranks of a replica read the same rows
-        check_agreement("the number of micro-batches (rows of the batch split over run.micro_batches)",
-                        len(ranges), self.groups.tp, self.groups.cp, self.groups.dp)
-        check_agreement("the batch's input_lengths (the tensor / context parallel ranks of a data-parallel replica "
-                        "read the same rows)", lengths, self.groups.tp, self.groups.cp)
+        check_agreement(
+            "the number of micro-batches (rows of the batch split over run.micro_batches)",
+            len(ranges),
+            self.groups.tp,
+            self.groups.cp,
+            self.groups.dp,
+        )
+        check_agreement(
+            "the batch's input_lengths (the tensor / context parallel ranks of a data-parallel replica "
+            "read the same rows)",
+            lengths,
+            self.groups.tp,
+            self.groups.cp,
+        )
         sample_mask = batch["sample_mask"]
         # the global normalisers: this replica's counts summed over the DP group (ref §1.3)
         local_toks = (batch["token_mask"][:, 1:] * sample_mask[:, None]).sum()
@@ -328,7 +378,8 @@ class TrainStep:
             step_wide["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             if self.draft_runtime is not None:
                 step_wide["draft_grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                    self.draft_runtime.parameters(), self.cfg.optim.grad_clip)
+                    self.draft_runtime.parameters(), self.cfg.optim.grad_clip
+                )
         self.optimizer.step()
         step_wide.update(global_valid_seqs=g_seqs, global_valid_toks=g_toks)  # the same on every rank
         # every replica's micro-batch fragments, combined as one list (a mean counts each fragment)
@@ -377,8 +428,12 @@ class TrainStep:
 
 
 def build_train_step(
-    cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: ParallelGroups = ParallelGroups(),
-    draft_runtime: DraftRuntimeBase | None = None, loss_fn: Any = None,
+    cfg: Config,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: ParallelGroups = ParallelGroups(),
+    draft_runtime: DraftRuntimeBase | None = None,
+    loss_fn: Any = None,
 ) -> TrainStep:
     """The compiled training step a config describes (see the module docstring); with a
     `draft_runtime`, the drafter trains in the same graph on the policy's outputs at its

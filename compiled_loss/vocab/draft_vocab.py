@@ -89,7 +89,9 @@ def map_teacher_logits_to_draft_vocab(
         "map_teacher_logits_to_draft_vocab's inputs (each rank's teacher_logits are its vocabulary shard "
         "[..., V / tp]: equally wide, with the same shape and dtype on every rank)",
         {"teacher_logits.weight": teacher_logits.weight, "teacher_logits.bias": teacher_logits.bias}
-        if linear else {"teacher_logits": teacher_logits}, group,
+        if linear
+        else {"teacher_logits": teacher_logits},
+        group,
     )
     if linear:
         weight, bias = teacher_logits.weight, teacher_logits.bias

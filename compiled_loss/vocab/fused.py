@@ -150,12 +150,12 @@ class _LinearVocabReduce(torch.autograd.Function):
             if top_k_top_p is not None:  # from the very logits it filters (a recompute may differ in the last bit)
                 thresholds.append(_thresholds(x, *top_k_top_p, group=group))
             x, _ = _filtered_chunk(x, thresholds[-1] if thresholds else None, False)
-            parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e],
-                                      entropy))
+            parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e], entropy))
         stats, weighted, picked = (torch.cat(p) for p in zip(*parts))
         threshold = torch.cat(thresholds) if thresholds else None
-        lse, picked, negent, cross, teacher_lse = _merge_shards(stats, weighted, picked, entropy,
-                                                                teacher is not None, group)
+        lse, picked, negent, cross, teacher_lse = _merge_shards(
+            stats, weighted, picked, entropy, teacher is not None, group
+        )
         ctx.save_for_backward(hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
         ctx.chunk_size, ctx.entropy = chunk_size, entropy
         return lse, picked, negent, cross
@@ -165,19 +165,41 @@ class _LinearVocabReduce(torch.autograd.Function):
         hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
         if threshold is None:
             grad_hidden, grad_weight, grad_bias = _vocab_chunked_backward(
-                hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, ctx.entropy,
+                hidden,
+                weight,
+                bias,
+                local,
+                in_shard,
+                teacher,
+                lse,
+                negent,
+                teacher_lse,
+                grads,
+                ctx.entropy,
                 ctx.chunk_size,
             )
         else:  # the keep mask must be recomputed from the forward's own row chunks
             grad_hidden, grad_weight, grad_bias = _row_chunked_backward(
-                hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse, grads,
-                ctx.entropy, ctx.chunk_size,
+                hidden,
+                weight,
+                bias,
+                local,
+                in_shard,
+                threshold,
+                teacher,
+                lse,
+                negent,
+                teacher_lse,
+                grads,
+                ctx.entropy,
+                ctx.chunk_size,
             )
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _vocab_chunked_backward(hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, entropy,
-                            chunk_size):
+def _vocab_chunked_backward(
+    hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, entropy, chunk_size
+):
     """dH, dW, d bias over column chunks of the vocabulary (as many logits per chunk as a
     row chunk holds): each chunk's rows of dW and d bias are computed once — no dW-sized
     partial sums — and only the small `[N, H]` dH accumulates (in fp32)."""
@@ -191,19 +213,28 @@ def _vocab_chunked_backward(hidden, weight, bias, local, in_shard, teacher, lse,
         x = torch.nn.functional.linear(hidden, weight[a:b], None if bias is None else bias[a:b]).float()
         chunk_index, in_chunk = _local_index(local, a, b - a)
         g = _chunk_grad(
-            x, None, None if teacher is None else teacher[:, a:b], lse, negent, teacher_lse, grads, chunk_index,
-            in_chunk & in_shard, live, entropy,
+            x,
+            None,
+            None if teacher is None else teacher[:, a:b],
+            lse,
+            negent,
+            teacher_lse,
+            grads,
+            chunk_index,
+            in_chunk & in_shard,
+            live,
+            entropy,
         ).to(weight.dtype)
         grad_hidden = grad_hidden + (g @ weight[a:b]).float()
         grad_weight.append(g.t() @ hidden)
         if bias is not None:
             grad_bias.append(g.float().sum(0).to(bias.dtype))
-    return (grad_hidden.to(hidden.dtype), torch.cat(grad_weight),
-            None if bias is None else torch.cat(grad_bias))
+    return (grad_hidden.to(hidden.dtype), torch.cat(grad_weight), None if bias is None else torch.cat(grad_bias))
 
 
-def _row_chunked_backward(hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse, grads,
-                          entropy, chunk_size):
+def _row_chunked_backward(
+    hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse, grads, entropy, chunk_size
+):
     """dH, dW, d bias over the forward's row chunks (each chunk's keep mask from the same
     logits as in the forward)."""
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -215,8 +246,17 @@ def _row_chunked_backward(hidden, weight, bias, local, in_shard, threshold, teac
         x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
         x, kept = _filtered_chunk(x, threshold[s:e], True)
         g = _chunk_grad(
-            x, kept, None if teacher is None else teacher[s:e], lse[s:e], negent[s:e], teacher_lse[s:e],
-            tuple(g[s:e] for g in grads), local[s:e], in_shard[s:e], live[s:e], entropy,
+            x,
+            kept,
+            None if teacher is None else teacher[s:e],
+            lse[s:e],
+            negent[s:e],
+            teacher_lse[s:e],
+            tuple(g[s:e] for g in grads),
+            local[s:e],
+            in_shard[s:e],
+            live[s:e],
+            entropy,
         ).to(weight.dtype)
         grad_hidden[s:e] = g @ weight
         grad_weight += (g.t() @ hidden[s:e]).float()
@@ -245,6 +285,6 @@ def linear_vocab_reduce(
         raise ValueError(f"linear_vocab_reduce: hidden must be [N, H], got {tuple(logits.hidden.shape)}")
     hidden, weight, bias = _cast(logits.dtype, logits.hidden, logits.weight, logits.bias)
     with torch.autocast(hidden.device.type, enabled=False):  # the projection in the logits' own dtype
-        return VocabStats(*_LinearVocabReduce.apply(
-            hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group
-        ))
+        return VocabStats(
+            *_LinearVocabReduce.apply(hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group)
+        )

@@ -62,11 +62,11 @@ class _VocabReduce(torch.autograd.Function):
         parts = []
         for s, e in _row_chunks(n, vocab, chunk_size):
             x, _ = _filtered_chunk(logits[s:e].float(), None if threshold is None else threshold[s:e], False)
-            parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e],
-                                      entropy))
+            parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e], entropy))
         stats, weighted, picked = (torch.cat(p) for p in zip(*parts))
-        lse, picked, negent, cross, teacher_lse = _merge_shards(stats, weighted, picked, entropy,
-                                                                teacher is not None, group)
+        lse, picked, negent, cross, teacher_lse = _merge_shards(
+            stats, weighted, picked, entropy, teacher is not None, group
+        )
         ctx.save_for_backward(logits, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
         ctx.chunk_size, ctx.entropy = chunk_size, entropy
         return lse, picked, negent, cross
@@ -80,8 +80,17 @@ class _VocabReduce(torch.autograd.Function):
         for s, e in _row_chunks(n, vocab, ctx.chunk_size):
             x, kept = _filtered_chunk(logits[s:e].float(), None if threshold is None else threshold[s:e], True)
             grad[s:e] = _chunk_grad(
-                x, kept, None if teacher is None else teacher[s:e], lse[s:e], negent[s:e], teacher_lse[s:e],
-                tuple(g[s:e] for g in grads), local[s:e], in_shard[s:e], live[s:e], ctx.entropy,
+                x,
+                kept,
+                None if teacher is None else teacher[s:e],
+                lse[s:e],
+                negent[s:e],
+                teacher_lse[s:e],
+                tuple(g[s:e] for g in grads),
+                local[s:e],
+                in_shard[s:e],
+                live[s:e],
+                ctx.entropy,
             ).to(grad.dtype)
         return grad, None, None, None, None, None, None
 
@@ -131,8 +140,9 @@ def vocab_reduce(
             "each chunk recomputes may differ in the last bit from those a threshold was taken from"
         )
     if not torch.compiler.is_compiling():
-        _check_shards(logits, index, group, threshold=threshold, teacher=teacher, top_k_top_p=top_k_top_p,
-                      chunk_size=chunk_size)
+        _check_shards(
+            logits, index, group, threshold=threshold, teacher=teacher, top_k_top_p=top_k_top_p, chunk_size=chunk_size
+        )
     if index is None:
         index = torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device)
     if teacher is not None:
@@ -143,9 +153,7 @@ def vocab_reduce(
         threshold = _thresholds(logits, *top_k_top_p, group=group)
     if threshold is not None:
         threshold = threshold.detach().float()
-    return VocabStats(
-        *_VocabReduce.apply(logits, index, threshold, teacher, entropy, chunk_size, group)
-    )
+    return VocabStats(*_VocabReduce.apply(logits, index, threshold, teacher, entropy, chunk_size, group))
 
 
 def _check_shards(logits: Tensor | LinearLogits, index: Tensor | None, group: Any, **inputs: Any) -> None:
@@ -154,14 +162,18 @@ def _check_shards(logits: Tensor | LinearLogits, index: Tensor | None, group: An
     `[r·V/tp, (r+1)·V/tp)` — of as many rows, in the same dtype, with the same other inputs
     (the collectives' shapes follow them); and every id of `index` lies in the full
     vocabulary `[0, V)`. A ValueError on every rank otherwise, before any collective."""
-    factors = {"logits.hidden": logits.hidden, "logits.weight": logits.weight, "logits.bias": logits.bias} \
-        if isinstance(logits, LinearLogits) else {"logits": logits}
+    factors = (
+        {"logits.hidden": logits.hidden, "logits.weight": logits.weight, "logits.bias": logits.bias}
+        if isinstance(logits, LinearLogits)
+        else {"logits": logits}
+    )
     vocab = logits.shape[-1] * group_size(group)
     outside = 0 if index is None else int(((index < 0) | (index >= vocab)).sum())  # host
     check_agreement(
         "vocab_reduce's inputs (each rank's logits are its vocabulary shard [N, V / tp]: equally wide, with the "
         "same rows, dtype and other inputs on every rank)",
-        {**factors, "index": index, **inputs, "ids outside the vocabulary": outside}, group,
+        {**factors, "index": index, **inputs, "ids outside the vocabulary": outside},
+        group,
     )
     if outside:
         shards = f", {group_size(group)} tensor-parallel shards of {logits.shape[-1]}" if group_size(group) > 1 else ""
@@ -181,8 +193,9 @@ def token_logprobs(
 ) -> Tensor:
     """`log softmax(logits)[target]` per row, fp32 `[N]` (`-inf` for a filtered target);
     filters and `group`: see `vocab_reduce`."""
-    stats = vocab_reduce(logits, targets[:, None], threshold=threshold, top_k_top_p=top_k_top_p,
-                         chunk_size=chunk_size, group=group)
+    stats = vocab_reduce(
+        logits, targets[:, None], threshold=threshold, top_k_top_p=top_k_top_p, chunk_size=chunk_size, group=group
+    )
     return stats.picked[:, 0] - stats.lse
 
 
@@ -195,7 +208,8 @@ def vocab_topk(logits: Tensor, k: int, group: Any = None) -> tuple[Tensor, Tenso
     check_agreement(
         "vocab_topk's inputs (each rank's logits are its vocabulary shard [..., V / tp]: equally wide, with the same "
         "rows, dtype and k on every rank)",
-        {"logits": logits, "k": k}, group,
+        {"logits": logits, "k": k},
+        group,
     )
     vocab = logits.shape[-1]
     values, ids = torch.topk(logits.float(), min(k, vocab), -1)
@@ -269,8 +283,7 @@ class _ReverseKL(torch.autograd.Function):
             m = x.amax(-1).clamp(min=torch.finfo(torch.float32).min)
             mt = t.amax(-1).clamp(min=torch.finfo(torch.float32).min)
             ex = torch.exp(x - m[:, None])
-            sums = [ex.sum(-1), _xlogp_safe(ex, x - t).sum(-1), _xlogp_safe(ex, x).sum(-1),
-                    _xlogp_safe(ex, t).sum(-1)]
+            sums = [ex.sum(-1), _xlogp_safe(ex, x - t).sum(-1), _xlogp_safe(ex, x).sum(-1), _xlogp_safe(ex, t).sum(-1)]
             parts.append((torch.stack([m, mt], -1), torch.stack(sums, -1), torch.exp(t - mt[:, None]).sum(-1)))
         maxima, sums, teacher_sum = (torch.cat(p) for p in zip(*parts))
         merged = all_reduce_max(maxima, group)
@@ -314,12 +327,12 @@ def reverse_kl(
         raise ValueError("reverse_kl: pass the student's logits tensor, not LinearLogits")
     if teacher.shape != logits.shape:
         raise ValueError(
-            f"reverse_kl: teacher logits must match the logits' shape {tuple(logits.shape)}, "
-            f"got {tuple(teacher.shape)}"
+            f"reverse_kl: teacher logits must match the logits' shape {tuple(logits.shape)}, got {tuple(teacher.shape)}"
         )
     check_agreement(
         "reverse_kl's inputs (each rank's logits are its vocabulary shard [N, V / tp]: equally wide, with the same "
         "rows and dtypes on every rank)",
-        {"logits": logits, "teacher": teacher}, group,
+        {"logits": logits, "teacher": teacher},
+        group,
     )
     return _ReverseKL.apply(logits, teacher.detach(), chunk_size, group)

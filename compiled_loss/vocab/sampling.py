@@ -113,7 +113,8 @@ def sampling_threshold(
     check_agreement(
         "sampling_threshold's inputs (each rank's logits are its vocabulary shard [N, V / tp]: equally wide, with the "
         "same rows, dtype and filter on every rank)",
-        {"logits": logits, "top_k": top_k, "top_p": top_p, "chunk_size": chunk_size}, group,
+        {"logits": logits, "top_k": top_k, "top_p": top_p, "chunk_size": chunk_size},
+        group,
     )
     return _thresholds(logits, top_k, top_p, chunk_size, group)
 

@@ -89,8 +89,13 @@ def _merge_shards(stats: Tensor, weighted: Tensor, picked: Tensor, entropy: bool
     without a group): lse, picked, negent, cross and the teacher's lse, each `[N]` (`[N, K]`)."""
     maxima = all_reduce_max(stats[:, [0, 3]], group)  # global max of the row, of the teacher row
     scale = torch.exp(stats[:, [0, 3]] - maxima)  # each shard's sums, rescaled to the global max
-    sums = all_reduce_sum(torch.stack([stats[:, 1] * scale[:, 0], stats[:, 2] * scale[:, 0],
-                                       stats[:, 4] * scale[:, 1], weighted * scale[:, 1]], -1), group)
+    sums = all_reduce_sum(
+        torch.stack(
+            [stats[:, 1] * scale[:, 0], stats[:, 2] * scale[:, 0], stats[:, 4] * scale[:, 1], weighted * scale[:, 1]],
+            -1,
+        ),
+        group,
+    )
     total, weighted_x, teacher_total, teacher_x = sums.unbind(-1)
     lse = maxima[:, 0] + torch.log(total)
     negent = weighted_x / total - lse if entropy else torch.zeros_like(lse)

@@ -26,9 +26,11 @@ from compiled_loss.train.parallel import init_parallel
 
 SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=3", "run.steps=4", "run.save_every=2"]
 TIMING = {"sample_seconds", "step_seconds", "tokens_per_s"}
-MAY = ("a resume may change only compile.*, packing.*, parallel.*, run.micro_batches, logprob.chunk_size, "
-       "logprob.fused_linear, run.deterministic, run.validate_inputs, run.log_every, run.save_every, run.keep_last, "
-       "run.steps, run.sft_steps")
+MAY = (
+    "a resume may change only compile.*, packing.*, parallel.*, run.micro_batches, logprob.chunk_size, "
+    "logprob.fused_linear, run.deterministic, run.validate_inputs, run.log_every, run.save_every, run.keep_last, "
+    "run.steps, run.sft_steps"
+)
 
 
 def _train(out, *overrides: str) -> list[dict]:
@@ -44,8 +46,9 @@ def _build(*overrides: str) -> loop.Run:
 def _same_metrics(got: list[dict], want: list[dict]) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want):
-        assert {k: v for k, v in g.items() if k not in TIMING} == {k: v for k, v in w.items() if k not in TIMING}, (
-            g["step"])
+        assert {k: v for k, v in g.items() if k not in TIMING} == {k: v for k, v in w.items() if k not in TIMING}, g[
+            "step"
+        ]
 
 
 def _same_weights(got, want) -> None:
@@ -77,15 +80,20 @@ def _error(path, run) -> str:
 @pytest.mark.parametrize("draft", ["none", "dflash"])
 def test_a_resumed_run_continues_as_the_uninterrupted_one(draft, whole, tmp_path, capsys):
     out, metrics = whole(draft)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2.pt", "step_4.pt", "step_6.pt",
-                                                                      "step_7.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_2.pt",
+        "step_4.pt",
+        "step_6.pt",
+        "step_7.pt",
+    ]
     final = torch.load(out / "checkpoints" / "step_7.pt", weights_only=True)
     for at in (2, 4):  # in the warm start (the reference is still to be set), in the loss's steps
         path = out / "checkpoints" / f"step_{at}.pt"
         capsys.readouterr()
         _same_metrics(_train(tmp_path / f"from{at}", f"draft={draft}", f"run.resume={path}"), metrics)
         assert capsys.readouterr().out.splitlines()[0] == (
-            f"resuming at step {at} of 7 from run.resume={path}; the same config")
+            f"resuming at step {at} of 7 from run.resume={path}; the same config"
+        )
         _same_weights(torch.load(tmp_path / f"from{at}" / "checkpoints" / "step_7.pt", weights_only=True), final)
 
 
@@ -100,10 +108,15 @@ def test_a_resume_may_lengthen_the_warm_start_and_the_run_and_says_so(whole, tmp
     got = _train(tmp_path / "resumed", *longer, f"run.resume={path}")
     assert capsys.readouterr().out.splitlines()[0] == (
         f"resuming at step 2 of 9 from run.resume={path}; changed since it was written: run.log_every 1 -> 3, "
-        "run.sft_steps 3 -> 4, run.steps 4 -> 5")
+        "run.sft_steps 3 -> 4, run.steps 4 -> 5"
+    )
     _same_metrics(got, want)
-    _same_weights(*(torch.load(d / "checkpoints" / "step_9.pt", weights_only=True) for d in (tmp_path / "resumed",
-                                                                                         tmp_path / "longer")))
+    _same_weights(
+        *(
+            torch.load(d / "checkpoints" / "step_9.pt", weights_only=True)
+            for d in (tmp_path / "resumed", tmp_path / "longer")
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -122,13 +135,17 @@ def test_a_config_the_checkpoint_cannot_continue_is_refused_naming_the_keys(over
     path = save_checkpoint(tmp_path, _build(), 2, [])
     assert _error(path, _build(*overrides)) == (
         f"run.resume={str(path)!r} was written by a run this config cannot continue: {differs} (checkpoint -> this "
-        f"run); {MAY}")
+        f"run); {MAY}"
+    )
 
 
 def test_a_refused_resume_stops_the_run_before_it_writes_anything(tmp_path):
     path = save_checkpoint(tmp_path / "checkpoints", _build(), 2, [])
-    with pytest.raises(ValueError, match=r"^run.resume='.*step_2.pt' was written by a run this config cannot "
-                                         r"continue: model.num_layers 2 -> 1 \(checkpoint -> this run\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^run.resume='.*step_2.pt' was written by a run this config cannot "
+        r"continue: model.num_layers 2 -> 1 \(checkpoint -> this run\)",
+    ):
         _train(tmp_path / "resumed", "model.num_layers=1", f"run.resume={path}")
     assert not (tmp_path / "resumed").exists()
 
@@ -139,15 +156,30 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
     DFlash, whose anchors are drawn per replica and micro-batch, dp and micro-batches must
     match."""
     path = save_checkpoint(tmp_path, _build(), 2, [])
-    changed = ("packing=none", "packing.width=32", "compile.enabled=true", "compile.backend=aot_eager",
-               "run.micro_batches=1", "run.keep_last=3", "run.validate_inputs=false", "run.deterministic=true",
-               "logprob.chunk_size=16")
+    changed = (
+        "packing=none",
+        "packing.width=32",
+        "compile.enabled=true",
+        "compile.backend=aot_eager",
+        "run.micro_batches=1",
+        "run.keep_last=3",
+        "run.validate_inputs=false",
+        "run.deterministic=true",
+        "logprob.chunk_size=16",
+    )
     done, history, changes = load_checkpoint(str(path), _build(*changed))
     assert (done, history) == (2, [])
-    assert changes == ["compile.backend 'inductor' -> 'aot_eager'", "compile.enabled False -> True",
-                       "logprob.chunk_size None -> 16", "packing.mode 'fused' -> 'none'", "packing.width 128 -> 32",
-                       "run.deterministic False -> True", "run.keep_last 0 -> 3", "run.micro_batches 2 -> 1",
-                       "run.validate_inputs True -> False"]
+    assert changes == [
+        "compile.backend 'inductor' -> 'aot_eager'",
+        "compile.enabled False -> True",
+        "logprob.chunk_size None -> 16",
+        "packing.mode 'fused' -> 'none'",
+        "packing.width 128 -> 32",
+        "run.deterministic False -> True",
+        "run.keep_last 0 -> 3",
+        "run.micro_batches 2 -> 1",
+        "run.validate_inputs True -> False",
+    ]
     run = _build()
     run = dataclasses.replace(run, cfg=compose_config(*SMALL, "parallel.dp=2"))
     assert load_checkpoint(str(path), run)[2] == ["parallel.dp 1 -> 2"]
@@ -158,33 +190,62 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
         f"run.resume={str(dflash)!r} was written by a run this config cannot continue: parallel.dp 1 -> 2, "
         "run.micro_batches 2 -> 1 (checkpoint -> this run); a resume may change only compile.*, packing.*, "
         "parallel.*, logprob.chunk_size, logprob.fused_linear, run.deterministic, run.validate_inputs, "
-        "run.log_every, run.save_every, run.keep_last, run.steps, run.sft_steps")
+        "run.log_every, run.save_every, run.keep_last, run.steps, run.sft_steps"
+    )
 
 
 @pytest.mark.parametrize(
     ("written", "step", "overrides", "message"),
     [
         # past the warm start: a longer one would take the KL reference from the RL-trained policy
-        ("run.sft_steps=3", 5, ["run.sft_steps=4"],
-         "is at step 5 of a run with a warm start of 3 steps; run.sft_steps=4 would change the phase of steps it has "
-         "trained (and the KL reference taken at the warm start's end): resume with run.sft_steps=3"),
-        ("run.sft_steps=3", 4, ["run.sft_steps=2"],
-         "is at step 4 of a run with a warm start of 3 steps; run.sft_steps=2 would change the phase of steps it has "
-         "trained (and the KL reference taken at the warm start's end): resume with run.sft_steps=3"),
+        (
+            "run.sft_steps=3",
+            5,
+            ["run.sft_steps=4"],
+            "is at step 5 of a run with a warm start of 3 steps; run.sft_steps=4 would change the phase of steps it has "
+            "trained (and the KL reference taken at the warm start's end): resume with run.sft_steps=3",
+        ),
+        (
+            "run.sft_steps=3",
+            4,
+            ["run.sft_steps=2"],
+            "is at step 4 of a run with a warm start of 3 steps; run.sft_steps=2 would change the phase of steps it has "
+            "trained (and the KL reference taken at the warm start's end): resume with run.sft_steps=3",
+        ),
         # inside the warm start: a shorter one would make trained warm-start steps the loss's
-        ("run.sft_steps=3", 2, ["run.sft_steps=1", "run.steps=1"],
-         "is at step 2 of a run with a warm start of 3 steps; run.sft_steps=1 would change the phase of steps it has "
-         "trained (and the KL reference taken at the warm start's end): resume with run.sft_steps >= 2"),
-        ("run.sft_steps=3", 7, [], "is at step 7; this run ends at step 7 (3 warm-start steps + run.steps=4): nothing "
-         "to train — raise run.steps"),
-        ("run.sft_steps=3", 6, ["run.steps=2"], "is at step 6; this run ends at step 5 (3 warm-start steps + "
-         "run.steps=2): nothing to train — raise run.steps"),
-        ("run.sft_steps=0", 3, ["run.sft_steps=0", "run.steps=3"], "is at step 3; this run ends at step 3 (0 "
-         "warm-start steps + run.steps=3): nothing to train — raise run.steps"),
+        (
+            "run.sft_steps=3",
+            2,
+            ["run.sft_steps=1", "run.steps=1"],
+            "is at step 2 of a run with a warm start of 3 steps; run.sft_steps=1 would change the phase of steps it has "
+            "trained (and the KL reference taken at the warm start's end): resume with run.sft_steps >= 2",
+        ),
+        (
+            "run.sft_steps=3",
+            7,
+            [],
+            "is at step 7; this run ends at step 7 (3 warm-start steps + run.steps=4): nothing "
+            "to train — raise run.steps",
+        ),
+        (
+            "run.sft_steps=3",
+            6,
+            ["run.steps=2"],
+            "is at step 6; this run ends at step 5 (3 warm-start steps + "
+            "run.steps=2): nothing to train — raise run.steps",
+        ),
+        (
+            "run.sft_steps=0",
+            3,
+            ["run.sft_steps=0", "run.steps=3"],
+            "is at step 3; this run ends at step 3 (0 "
+            "warm-start steps + run.steps=3): nothing to train — raise run.steps",
+        ),
     ],
 )
-def test_a_schedule_that_would_rewrite_trained_steps_or_train_nothing_is_refused(written, step, overrides, message,
-                                                                                  tmp_path):
+def test_a_schedule_that_would_rewrite_trained_steps_or_train_nothing_is_refused(
+    written, step, overrides, message, tmp_path
+):
     path = save_checkpoint(tmp_path, _build(written), step, [])
     assert _error(path, _build(*overrides)) == f"run.resume={str(path)!r} {message}"
 
@@ -223,25 +284,41 @@ def _good_bytes(tmp_path) -> bytes:
 UNREADABLE = {
     "missing": (lambda t: str(t / "nothing.pt"), ": no such checkpoint file"),
     "empty": (lambda t: _write(t, b""), ": the file is empty"),
-    "truncated": (lambda t: _write(t, _good_bytes(t)[:-100]),
-                  ": torch.load cannot read it (a truncated, corrupt or foreign file: RuntimeError)"),
-    "garbage": (lambda t: _write(t, bytes(range(256)) * 8),
-                ": torch.load cannot read it (a truncated, corrupt or foreign file: UnpicklingError)"),
-    "text": (lambda t: _write(t, b"step: 2\n"),
-             ": torch.load cannot read it (a truncated, corrupt or foreign file: IndexError)"),
-    "a tensor": (lambda t: _foreign(t, torch.ones(3)),
-                 " holds a value of type Tensor, not a checkpoint of python -m compiled_loss.run"),
-    "a module's state_dict": (lambda t: _foreign(t, torch.nn.Linear(2, 2).state_dict()),
-                              " is not a checkpoint of python -m compiled_loss.run: it lacks the keys ['step', "
-                              "'warm_steps', 'config', 'policy', 'reference', 'drafter', 'optimizers', 'python_rng', "
-                              "'torch_rng', 'history', 'digest']"),
-    "no config": (lambda t: _rewritten(t, lambda s: [s.pop(k) for k in ("config", "warm_steps")]),
-                  " is not a checkpoint of python -m compiled_loss.run: it lacks the keys ['warm_steps', 'config']"),
-    "changed weights": (lambda t: _rewritten(t, lambda s: s["policy"]["head.weight"].add_(1), digest=False),
-                        ": its contents do not match the digest they were written with (a corrupt file)"),
-    "weights of other code": (lambda t: _rewritten(t, lambda s: s["policy"].update(extra=torch.ones(1))),
-                              ": its state does not fit this run's objects (Error(s) in loading state_dict for "
-                              "TinyLM:\n\tUnexpected key(s) in state_dict: \"extra\". )"),
+    "truncated": (
+        lambda t: _write(t, _good_bytes(t)[:-100]),
+        ": torch.load cannot read it (a truncated, corrupt or foreign file: RuntimeError)",
+    ),
+    "garbage": (
+        lambda t: _write(t, bytes(range(256)) * 8),
+        ": torch.load cannot read it (a truncated, corrupt or foreign file: UnpicklingError)",
+    ),
+    "text": (
+        lambda t: _write(t, b"step: 2\n"),
+        ": torch.load cannot read it (a truncated, corrupt or foreign file: IndexError)",
+    ),
+    "a tensor": (
+        lambda t: _foreign(t, torch.ones(3)),
+        " holds a value of type Tensor, not a checkpoint of python -m compiled_loss.run",
+    ),
+    "a module's state_dict": (
+        lambda t: _foreign(t, torch.nn.Linear(2, 2).state_dict()),
+        " is not a checkpoint of python -m compiled_loss.run: it lacks the keys ['step', "
+        "'warm_steps', 'config', 'policy', 'reference', 'drafter', 'optimizers', 'python_rng', "
+        "'torch_rng', 'history', 'digest']",
+    ),
+    "no config": (
+        lambda t: _rewritten(t, lambda s: [s.pop(k) for k in ("config", "warm_steps")]),
+        " is not a checkpoint of python -m compiled_loss.run: it lacks the keys ['warm_steps', 'config']",
+    ),
+    "changed weights": (
+        lambda t: _rewritten(t, lambda s: s["policy"]["head.weight"].add_(1), digest=False),
+        ": its contents do not match the digest they were written with (a corrupt file)",
+    ),
+    "weights of other code": (
+        lambda t: _rewritten(t, lambda s: s["policy"].update(extra=torch.ones(1))),
+        ": its state does not fit this run's objects (Error(s) in loading state_dict for "
+        'TinyLM:\n\tUnexpected key(s) in state_dict: "extra". )',
+    ),
 }
 
 
@@ -273,10 +350,16 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint_whole(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2.pt"]
     assert (tmp_path / "step_2.pt").read_bytes() == before
     monkeypatch.setattr(torch, "save", real_save)
-    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.path.basename(os.readlink(
-        f"/proc/self/fd/{fd}")))) or real_fsync(fd))
-    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", os.path.basename(a), os.path.basename(
-        b))) or real_replace(a, b))
+    monkeypatch.setattr(
+        os,
+        "fsync",
+        lambda fd: events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))) or real_fsync(fd),
+    )
+    monkeypatch.setattr(
+        os,
+        "replace",
+        lambda a, b: events.append(("replace", os.path.basename(a), os.path.basename(b))) or real_replace(a, b),
+    )
     save_checkpoint(tmp_path, run, 4, [])
     (temporary,) = {e[1] for e in events[:2]}
     assert temporary.startswith(".step_4.pt.") and temporary.endswith(".tmp")

@@ -61,8 +61,13 @@ def test_loss_options_set_their_variant():
 
 
 def test_every_loss_field_is_a_key():
-    cfg = typed("loss=clipped_pg", "loss.ratio_clip_c=3.0", "loss.truncated_importance_sampling_ratio=2.0",
-                "loss.use_importance_sampling_correction=true", "loss.truncated_importance_sampling_type=tis")
+    cfg = typed(
+        "loss=clipped_pg",
+        "loss.ratio_clip_c=3.0",
+        "loss.truncated_importance_sampling_ratio=2.0",
+        "loss.use_importance_sampling_correction=true",
+        "loss.truncated_importance_sampling_type=tis",
+    )
     built = build_loss(cfg.loss)
     assert (built.cfg.ratio_clip_c, built.cfg.truncated_importance_sampling_type) == (3.0, "tis")
     assert build_loss(typed("loss=distillation", "loss.kl_type=reverse").loss).cfg.kl_type == "reverse"
@@ -75,8 +80,16 @@ def test_packing_options(mode):
 
 
 def test_other_groups_compose():
-    cfg = typed("draft=none", "parallel.tp=1", "compile=eager", "model=small", "data.prompts=4",
-                "logprob.top_k=20", "optim.lr=1e-4", "run.steps=3")
+    cfg = typed(
+        "draft=none",
+        "parallel.tp=1",
+        "compile=eager",
+        "model=small",
+        "data.prompts=4",
+        "logprob.top_k=20",
+        "optim.lr=1e-4",
+        "run.steps=3",
+    )
     assert (cfg.compile.enabled, cfg.model.vocab_size, cfg.logprob.top_k, cfg.run.steps) == (False, 32000, 20, 3)
 
 
@@ -108,7 +121,9 @@ class TestStartupErrors(TestCase):
     def test_wrong_type(self):
         with pytest.raises(ConfigCompositionException) as info:
             composed("run.steps=many")
-        assert "run.steps" in str(info.value.__cause__) and "could not be converted to Integer" in str(info.value.__cause__)
+        assert "run.steps" in str(info.value.__cause__) and "could not be converted to Integer" in str(
+            info.value.__cause__
+        )
 
     def test_closed_choice_lists_values(self):
         with pytest.raises(ConfigCompositionException) as info:
@@ -169,19 +184,28 @@ def test_wheel_ships_the_yaml(tmp_path):
     """A wheel built from the repo carries conf/ as compiled_loss/conf (runs from any dir)."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
-        check=True, cwd=__file__.rsplit("/tests/", 1)[0],
+        check=True,
+        cwd=__file__.rsplit("/tests/", 1)[0],
     )
     (wheel,) = tmp_path.glob("compiled_loss-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"compiled_loss/conf/config.yaml", "compiled_loss/conf/__init__.py",
-            "compiled_loss/conf/loss/gspo.yaml", "compiled_loss/conf/packing/fused.yaml"} <= names
+    assert {
+        "compiled_loss/conf/config.yaml",
+        "compiled_loss/conf/__init__.py",
+        "compiled_loss/conf/loss/gspo.yaml",
+        "compiled_loss/conf/packing/fused.yaml",
+    } <= names
 
 
 def test_help_lists_the_real_options_of_each_group():
-    out = subprocess.run([sys.executable, "-m", "compiled_loss.run", "--help"], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "compiled_loss.run", "--help"], check=True, capture_output=True, text=True
+    ).stdout
     groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
-    assert "loss: cispo, clipped_pg, cross_tokenizer, distillation, dpo, gspo, mpo, mse_value, nll, opd_full, reinforce" in groups
+    assert (
+        "loss: cispo, clipped_pg, cross_tokenizer, distillation, dpo, gspo, mpo, mse_value, nll, opd_full, reinforce"
+        in groups
+    )
     assert "packing: fused, none, per_sequence" in groups
     assert "schema" not in groups
 
@@ -198,8 +222,10 @@ def test_help_lists_the_real_options_of_each_group():
         ("logprob.top_p=0", "logprob: top_p must be in (0, 1], got 0.0"),
         ("logprob.chunk_size=0", "logprob.chunk_size must be >= 1, got 0"),
         ("loss.ratio_clip_c=nan", "loss=clipped_pg: ratio_clip_c must be finite, got nan"),
-        ("loss.truncated_importance_sampling_ratio=nan",
-         "loss=clipped_pg: truncated_importance_sampling_ratio must be finite, got nan"),
+        (
+            "loss.truncated_importance_sampling_ratio=nan",
+            "loss=clipped_pg: truncated_importance_sampling_ratio must be finite, got nan",
+        ),
         ("data.error_rate_max=nan", "data.error_rate_max must be finite, got nan"),
         ("data.response_median=0", "data.response_median must be > 0, got 0.0"),
         ("model.vocab_size=0", "model.vocab_size must be >= 1, got 0"),
@@ -286,57 +312,156 @@ def test_the_sizes_without_a_bound_of_their_own():
     """Chunk sizes above the micro-batch load (one chunk); the step counts are bounded by the
     sampler's 64-bit seed with run.seed, and every int by int64."""
     assert all(refusal(g, c, f, 10**15) is None for _, g, c, f in _fields(int) if f in UNBOUNDED)
-    assert refusal("run", RunConfig, "steps", 2**63) == "run.steps must fit in int64 (|x| < 2**63), got 9223372036854775808"
+    assert (
+        refusal("run", RunConfig, "steps", 2**63)
+        == "run.steps must fit in int64 (|x| < 2**63), got 9223372036854775808"
+    )
 
 
 class TestBounds(TestCase):
     def test_float_options_out_of_float32(self):
-        self.assertExpectedInline(error("loss=mpo", "loss.reward_shift=1e39"), """loss=mpo: reward_shift must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and the model compute in), got 1e+39""")
-        self.assertExpectedInline(error("loss=mpo", "loss.reward_shift=3e38"), """loss.reward_shift=3e+38: the BCO term sums about |reward_shift| per row of a micro-batch in float32, which overflows for the 64 rows of the longest one (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)); |loss.reward_shift| must be <= 5.317e+36""")
+        self.assertExpectedInline(
+            error("loss=mpo", "loss.reward_shift=1e39"),
+            """loss=mpo: reward_shift must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and the model compute in), got 1e+39""",
+        )
+        self.assertExpectedInline(
+            error("loss=mpo", "loss.reward_shift=3e38"),
+            """loss.reward_shift=3e+38: the BCO term sums about |reward_shift| per row of a micro-batch in float32, which overflows for the 64 rows of the longest one (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)); |loss.reward_shift| must be <= 5.317e+36""",
+        )
 
     def test_a_temperature_whose_reciprocal_overflows_the_gradient(self):
-        self.assertExpectedInline(error("logprob.temperature=1e-30"), """logprob.temperature=1e-30 is outside [1e-06, 1e+06]: the logits and their gradient are scaled by 1/temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
-        self.assertExpectedInline(error("logprob.temperature=1e30"), """logprob.temperature=1e+30 is outside [1e-06, 1e+06]: the logits and their gradient are scaled by 1/temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
-        self.assertExpectedInline(error("loss=cross_tokenizer", "loss.temperature=1e-7"), """loss=cross_tokenizer: temperature=1e-07 is outside [1e-06, 1e+06]: the logits are scaled by 1/temperature and the KD term's gradient by temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
+        self.assertExpectedInline(
+            error("logprob.temperature=1e-30"),
+            """logprob.temperature=1e-30 is outside [1e-06, 1e+06]: the logits and their gradient are scaled by 1/temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
+        self.assertExpectedInline(
+            error("logprob.temperature=1e30"),
+            """logprob.temperature=1e+30 is outside [1e-06, 1e+06]: the logits and their gradient are scaled by 1/temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
+        self.assertExpectedInline(
+            error("loss=cross_tokenizer", "loss.temperature=1e-7"),
+            """loss=cross_tokenizer: temperature=1e-07 is outside [1e-06, 1e+06]: the logits are scaled by 1/temperature and the KD term's gradient by temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
 
     def test_factors_of_the_gradient(self):
-        self.assertExpectedInline(error("loss.reference_policy_kl_penalty=1e30"), """loss=clipped_pg: reference_policy_kl_penalty=1e+30 is outside [1e-06, 1e+06]: it scales the reference KL term, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
-        self.assertExpectedInline(error("loss=dpo", "loss.reference_policy_kl_penalty=1e-30"), """loss=dpo: reference_policy_kl_penalty=1e-30 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
-        self.assertExpectedInline(error("loss=mse_value", "loss.scale=1e7"), """loss=mse_value: scale=10000000.0 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
-        self.assertExpectedInline(error("draft=eagle3", "draft.loss_weight=1e7"), """draft=eagle3: loss_weight=10000000.0 is outside [1e-06, 1e+06]: it scales the draft loss, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
-        self.assertExpectedInline(error("optim.grad_clip=1e-30"), """optim.grad_clip=1e-30 is outside [1e-06, 1e+06]: the gradient is scaled to at most this norm, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""")
+        self.assertExpectedInline(
+            error("loss.reference_policy_kl_penalty=1e30"),
+            """loss=clipped_pg: reference_policy_kl_penalty=1e+30 is outside [1e-06, 1e+06]: it scales the reference KL term, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
+        self.assertExpectedInline(
+            error("loss=dpo", "loss.reference_policy_kl_penalty=1e-30"),
+            """loss=dpo: reference_policy_kl_penalty=1e-30 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
+        self.assertExpectedInline(
+            error("loss=mse_value", "loss.scale=1e7"),
+            """loss=mse_value: scale=10000000.0 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
+        self.assertExpectedInline(
+            error("draft=eagle3", "draft.loss_weight=1e7"),
+            """draft=eagle3: loss_weight=10000000.0 is outside [1e-06, 1e+06]: it scales the draft loss, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
+        self.assertExpectedInline(
+            error("optim.grad_clip=1e-30"),
+            """optim.grad_clip=1e-30 is outside [1e-06, 1e+06]: the gradient is scaled to at most this norm, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range""",
+        )
 
     def test_exponents(self):
-        self.assertExpectedInline(error("loss.kl_input_clamp_value=100"), """loss=clipped_pg: kl_input_clamp_value must be <= log(float32 max) = 88.7228, got 100.0: the k3 estimator exponentiates the clamped log-ratio, and exp of a larger value overflows float32 to inf""")
-        self.assertExpectedInline(error("draft=dflash", "draft.loss_decay_gamma=0.001"), """draft=dflash: loss_decay_gamma must be 0 or >= 0.03435 (with block_size=5), got 0.001: slot k is weighted exp(-(k-1)/loss_decay_gamma), which underflows float32 (< 1.18e-38) for the block's last slots below that, so they would train nothing""")
-        self.assertExpectedInline(error("draft=eagle3", "draft.ttt_step_loss_decay=1e-20"), """draft=eagle3: ttt_step_loss_decay=1e-20 with ttt_steps=3: the last step's loss weight decay^2 = 1e-40 underflows float32 (< 1.18e-38), so that step would train nothing; raise ttt_step_loss_decay or lower ttt_steps""")
-        self.assertExpectedInline(error("loss=cross_tokenizer", "loss.alpha=1e7"), """loss=cross_tokenizer: alpha must be <= 1e+06, got 10000000.0: softmax(alpha · score) is one-hot for scores 1e-4 apart already, and a larger alpha can overflow alpha · score in float32 (NaN teacher weights)""")
+        self.assertExpectedInline(
+            error("loss.kl_input_clamp_value=100"),
+            """loss=clipped_pg: kl_input_clamp_value must be <= log(float32 max) = 88.7228, got 100.0: the k3 estimator exponentiates the clamped log-ratio, and exp of a larger value overflows float32 to inf""",
+        )
+        self.assertExpectedInline(
+            error("draft=dflash", "draft.loss_decay_gamma=0.001"),
+            """draft=dflash: loss_decay_gamma must be 0 or >= 0.03435 (with block_size=5), got 0.001: slot k is weighted exp(-(k-1)/loss_decay_gamma), which underflows float32 (< 1.18e-38) for the block's last slots below that, so they would train nothing""",
+        )
+        self.assertExpectedInline(
+            error("draft=eagle3", "draft.ttt_step_loss_decay=1e-20"),
+            """draft=eagle3: ttt_step_loss_decay=1e-20 with ttt_steps=3: the last step's loss weight decay^2 = 1e-40 underflows float32 (< 1.18e-38), so that step would train nothing; raise ttt_step_loss_decay or lower ttt_steps""",
+        )
+        self.assertExpectedInline(
+            error("loss=cross_tokenizer", "loss.alpha=1e7"),
+            """loss=cross_tokenizer: alpha must be <= 1e+06, got 10000000.0: softmax(alpha · score) is one-hot for scores 1e-4 apart already, and a larger alpha can overflow alpha · score in float32 (NaN teacher weights)""",
+        )
 
     def test_adamw_step_and_weight_decay(self):
-        self.assertExpectedInline(error("optim.lr=1e38"), """optim.lr=1e+38 with optim.beta1=0.9: AdamW's first step size lr / (1 - beta1) = 1e+39 overflows float32""")
-        self.assertExpectedInline(error("optim.weight_decay=1e30"), """optim.lr × optim.weight_decay = 5e+26 must be < 1: decoupled weight decay multiplies every weight by 1 - lr · weight_decay per step, which zeroes or flips the weights at 1 and above""")
+        self.assertExpectedInline(
+            error("optim.lr=1e38"),
+            """optim.lr=1e+38 with optim.beta1=0.9: AdamW's first step size lr / (1 - beta1) = 1e+39 overflows float32""",
+        )
+        self.assertExpectedInline(
+            error("optim.weight_decay=1e30"),
+            """optim.lr × optim.weight_decay = 5e+26 must be < 1: decoupled weight decay multiplies every weight by 1 - lr · weight_decay per step, which zeroes or flips the weights at 1 and above""",
+        )
 
     def test_sizes_against_the_data(self):
-        self.assertExpectedInline(error("draft=dflash", "draft.num_anchors=1000000000000"), """draft.num_anchors=1000000000000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): anchors are positions of one micro-batch""")
-        self.assertExpectedInline(error("draft=eagle3", "draft.ttt_steps=100000", "draft.ttt_step_loss_decay=1"), """draft.ttt_steps=100000 exceeds 104: step k predicts the token k + 2 places after its slot inside one sequence, and the longest sequence the data can produce holds 106 tokens (data.prompt_terms_max + data.response_max + 2)""")
-        self.assertExpectedInline(error("draft=eagle3", "draft.ttt_steps=100000"), """draft=eagle3: ttt_step_loss_decay=0.8 with ttt_steps=100000: the last step's loss weight decay^99999 = 0 underflows float32 (< 1.18e-38), so that step would train nothing; raise ttt_step_loss_decay or lower ttt_steps""")
-        self.assertExpectedInline(error("draft=dflash", "draft.block_size=200", "draft.loss_decay_gamma=0"), """draft.block_size=200 exceeds 106: a block's slots lie inside one sequence, and the longest sequence the data can produce holds 106 tokens (data.prompt_terms_max + data.response_max + 2)""")
-        self.assertExpectedInline(error("draft=eagle3", "draft.hidden_size=64"), """draft.hidden_size=64 must be null or model.hidden_size=128: the EAGLE-3 drafter takes the policy's token embedding (frozen)""")
-        self.assertExpectedInline(error("draft=eagle3", "draft.draft_vocab_size=4096"), """draft.draft_vocab_size=4096 exceeds model.vocab_size=2048: the draft vocabulary is a subset of the policy's""")
-        self.assertExpectedInline(error("logprob.top_k=4096"), """logprob.top_k=4096 exceeds model.vocab_size=2048: a top-k of the whole vocabulary filters nothing (null disables the filter)""")
-        self.assertExpectedInline(error("packing.per_octave=10000"), """packing.per_octave=10000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): with as many buckets per octave as the sizes it splits, the grid is the plain one (packing.per_octave=0)""")
-        self.assertExpectedInline(error("run.log_every=1000"), """run.log_every=1000 exceeds run.sft_steps + run.steps = 177: a larger value prints the last step's line only, as run.log_every=177 does""")
-        self.assertExpectedInline(error("data.max_stride=65"), """data.max_stride (65) must be <= data.modulus (64): a stride d + modulus continues a progression as the stride d does""")
+        self.assertExpectedInline(
+            error("draft=dflash", "draft.num_anchors=1000000000000"),
+            """draft.num_anchors=1000000000000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): anchors are positions of one micro-batch""",
+        )
+        self.assertExpectedInline(
+            error("draft=eagle3", "draft.ttt_steps=100000", "draft.ttt_step_loss_decay=1"),
+            """draft.ttt_steps=100000 exceeds 104: step k predicts the token k + 2 places after its slot inside one sequence, and the longest sequence the data can produce holds 106 tokens (data.prompt_terms_max + data.response_max + 2)""",
+        )
+        self.assertExpectedInline(
+            error("draft=eagle3", "draft.ttt_steps=100000"),
+            """draft=eagle3: ttt_step_loss_decay=0.8 with ttt_steps=100000: the last step's loss weight decay^99999 = 0 underflows float32 (< 1.18e-38), so that step would train nothing; raise ttt_step_loss_decay or lower ttt_steps""",
+        )
+        self.assertExpectedInline(
+            error("draft=dflash", "draft.block_size=200", "draft.loss_decay_gamma=0"),
+            """draft.block_size=200 exceeds 106: a block's slots lie inside one sequence, and the longest sequence the data can produce holds 106 tokens (data.prompt_terms_max + data.response_max + 2)""",
+        )
+        self.assertExpectedInline(
+            error("draft=eagle3", "draft.hidden_size=64"),
+            """draft.hidden_size=64 must be null or model.hidden_size=128: the EAGLE-3 drafter takes the policy's token embedding (frozen)""",
+        )
+        self.assertExpectedInline(
+            error("draft=eagle3", "draft.draft_vocab_size=4096"),
+            """draft.draft_vocab_size=4096 exceeds model.vocab_size=2048: the draft vocabulary is a subset of the policy's""",
+        )
+        self.assertExpectedInline(
+            error("logprob.top_k=4096"),
+            """logprob.top_k=4096 exceeds model.vocab_size=2048: a top-k of the whole vocabulary filters nothing (null disables the filter)""",
+        )
+        self.assertExpectedInline(
+            error("packing.per_octave=10000"),
+            """packing.per_octave=10000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): with as many buckets per octave as the sizes it splits, the grid is the plain one (packing.per_octave=0)""",
+        )
+        self.assertExpectedInline(
+            error("run.log_every=1000"),
+            """run.log_every=1000 exceeds run.sft_steps + run.steps = 177: a larger value prints the last step's line only, as run.log_every=177 does""",
+        )
+        self.assertExpectedInline(
+            error("data.max_stride=65"),
+            """data.max_stride (65) must be <= data.modulus (64): a stride d + modulus continues a progression as the stride d does""",
+        )
 
     def test_sizes_against_the_machine(self):
         with unittest.mock.patch("compiled_loss.app.store.memory_bytes", return_value=2**30):
-            self.assertExpectedInline(error("model.hidden_size=2048"), """the run needs at least 3.02 GiB of memory, this machine has 1 GiB: the policy's weights, gradients, reference and AdamW moments (111,159,296 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 2.9 GiB; the longest micro-batch's attention mask (1 × 8192² bools: its tokens rounded up to packing.tokens): 0.0625 GiB; the longest micro-batch's float32 logits (8192 slots × model.vocab_size): 0.0625 GiB; the longest micro-batch's token ids (64 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 6.1e-05 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""")
-            self.assertExpectedInline(error("packing=none", "packing.rows=100000"), """the run needs at least 99.3 GiB of memory, this machine has 1 GiB: the longest micro-batch's float32 logits (12800000 slots × model.vocab_size): 97.7 GiB; the longest micro-batch's attention mask (100000 × 128² bools): 1.53 GiB; the longest micro-batch's token ids (100000 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 0.0954 GiB; the policy's weights, gradients, reference and AdamW moments (1,049,216 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 0.0274 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""")
-        self.assertExpectedInline(error("model.hidden_size=1000000000000"), """model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions: a weight would have more elements than an int64 counts (Storage size calculation overflowed with sizes=[3000000000000, 1000000000000])""")
+            self.assertExpectedInline(
+                error("model.hidden_size=2048"),
+                """the run needs at least 3.02 GiB of memory, this machine has 1 GiB: the policy's weights, gradients, reference and AdamW moments (111,159,296 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 2.9 GiB; the longest micro-batch's attention mask (1 × 8192² bools: its tokens rounded up to packing.tokens): 0.0625 GiB; the longest micro-batch's float32 logits (8192 slots × model.vocab_size): 0.0625 GiB; the longest micro-batch's token ids (64 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 6.1e-05 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""",
+            )
+            self.assertExpectedInline(
+                error("packing=none", "packing.rows=100000"),
+                """the run needs at least 99.3 GiB of memory, this machine has 1 GiB: the longest micro-batch's float32 logits (12800000 slots × model.vocab_size): 97.7 GiB; the longest micro-batch's attention mask (100000 × 128² bools): 1.53 GiB; the longest micro-batch's token ids (100000 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 0.0954 GiB; the policy's weights, gradients, reference and AdamW moments (1,049,216 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 0.0274 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""",
+            )
+        self.assertExpectedInline(
+            error("model.hidden_size=1000000000000"),
+            """model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions: a weight would have more elements than an int64 counts (Storage size calculation overflowed with sizes=[3000000000000, 1000000000000])""",
+        )
 
     def test_seed_and_steps_against_the_sampler(self):
-        self.assertExpectedInline(error("run.seed=100000000000000"), """run.seed=100000000000000 overflows the sampler's generator seed at step 1 of run.sft_steps + run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""")
-        self.assertExpectedInline(error("run.seed=18446744073709"), """run.seed=18446744073709 overflows the sampler's generator seed at step 1 of run.sft_steps + run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""")
+        self.assertExpectedInline(
+            error("run.seed=100000000000000"),
+            """run.seed=100000000000000 overflows the sampler's generator seed at step 1 of run.sft_steps + run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""",
+        )
+        self.assertExpectedInline(
+            error("run.seed=18446744073709"),
+            """run.seed=18446744073709 overflows the sampler's generator seed at step 1 of run.sft_steps + run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""",
+        )
 
     def test_cross_tokenizer_runs_at_tp_cp_1(self):
-        self.assertExpectedInline(error("loss=cross_tokenizer", "parallel.tp=2"), """loss=cross_tokenizer reads whole student and teacher distributions: it runs at parallel.tp = parallel.cp = 1 (as NeMo-RL's does), got parallel.tp=2, parallel.cp=1""")
+        self.assertExpectedInline(
+            error("loss=cross_tokenizer", "parallel.tp=2"),
+            """loss=cross_tokenizer reads whole student and teacher distributions: it runs at parallel.tp = parallel.cp = 1 (as NeMo-RL's does), got parallel.tp=2, parallel.cp=1""",
+        )

@@ -13,10 +13,22 @@ from compiled_loss.app import compose_config
 from compiled_loss.demo.loop import train
 
 SMALL = [
-    "model.vocab_size=32", "model.hidden_size=64", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=8", "data.group_size=8", "run.sft_steps=0", "run.steps=6", "run.micro_batches=1",
-    "run.save_every=6", "run.deterministic=true", "compile.backend=inductor",
+    "model.vocab_size=32",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.modulus=16",
+    "data.prompt_terms_max=5",
+    "data.response_max=12",
+    "data.total_terms=10",
+    "data.prompts=8",
+    "data.group_size=8",
+    "run.sft_steps=0",
+    "run.steps=6",
+    "run.micro_batches=1",
+    "run.save_every=6",
+    "run.deterministic=true",
+    "compile.backend=inductor",
 ]
 TIMING = {"sample_seconds", "step_seconds", "tokens_per_s", "compiles"}
 
@@ -24,8 +36,10 @@ TIMING = {"sample_seconds", "step_seconds", "tokens_per_s", "compiles"}
 def _run(out) -> tuple[list[dict], dict]:
     summary = train(compose_config(*SMALL), out)
     assert summary["compile_problems"] == []
-    metrics = [{k: v for k, v in json.loads(line).items() if k not in TIMING}
-               for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING}
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
     return metrics, torch.load(out / "checkpoints" / "step_6.pt", weights_only=True)
 
 

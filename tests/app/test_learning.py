@@ -13,9 +13,19 @@ from compiled_loss.app import compose_config
 from compiled_loss.demo.loop import train
 
 SMALL = [
-    "model.vocab_size=32", "model.hidden_size=64", "model.num_heads=2", "model.max_positions=64",
-    "data.modulus=16", "data.prompt_terms_max=5", "data.response_max=12", "data.total_terms=10",
-    "data.prompts=8", "data.group_size=8", "compile.enabled=false", "run.sft_steps=20", "run.steps=100",
+    "model.vocab_size=32",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.modulus=16",
+    "data.prompt_terms_max=5",
+    "data.response_max=12",
+    "data.total_terms=10",
+    "data.prompts=8",
+    "data.group_size=8",
+    "compile.enabled=false",
+    "run.sft_steps=20",
+    "run.steps=100",
 ]
 
 

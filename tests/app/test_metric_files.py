@@ -19,8 +19,10 @@ SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=1", "run.steps=2"]
 
 def _strict(text: str):
     """json.loads that refuses NaN / Infinity (which Python's json accepts, but JSON does not have)."""
+
     def refuse(constant):
         raise ValueError(f"not JSON: {constant}")
+
     return json.loads(text, parse_constant=refuse)
 
 

@@ -23,26 +23,53 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_sweep_writes_curves_and_the_plot_command_overlays_them(tmp_path):
-    subprocess.run([sys.executable, "-m", "compiled_loss.run", "-m", "loss=clipped_pg,dpo", *SMALL,
-                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], check=True, capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compiled_loss.run",
+            "-m",
+            "loss=clipped_pg,dpo",
+            *SMALL,
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     runs = run_dirs([tmp_path / "sweep"])
     assert [r.name for r in runs] == ["0", "1"]
     for run in runs:
         assert (run / "curves.png").read_bytes().startswith(PNG)
     assert labels(runs) == ["loss=clipped_pg", "loss=dpo"]
-    done = subprocess.run([sys.executable, "-m", "compiled_loss.plot", str(tmp_path / "sweep"), str(runs[0]),
-                           "--out", str(tmp_path / "overlay.png")], check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compiled_loss.plot",
+            str(tmp_path / "sweep"),
+            str(runs[0]),
+            "--out",
+            str(tmp_path / "overlay.png"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert done.stdout.strip() == f"3 run(s) -> {tmp_path / 'overlay.png'}"
     overlay = (tmp_path / "overlay.png").read_bytes()
     assert overlay.startswith(PNG) and len(overlay) > 50_000
 
 
 def test_without_matplotlib_the_runner_skips_the_png_with_one_line(tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from compiled_loss.app.run import main; "
-            f"sys.argv = ['run', *{SMALL!r}, 'hydra.run.dir={tmp_path}']; main()")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from compiled_loss.app.run import main; "
+        f"sys.argv = ['run', *{SMALL!r}, 'hydra.run.dir={tmp_path}']; main()"
+    )
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert done.stdout.strip().splitlines()[-1] == (
-        "curves.png skipped: matplotlib is not installed (pip install 'compiled_loss[plot]')")
+        "curves.png skipped: matplotlib is not installed (pip install 'compiled_loss[plot]')"
+    )
     assert (tmp_path / "metrics.jsonl").is_file() and not (tmp_path / "curves.png").exists()
 
 
@@ -72,8 +99,9 @@ def test_a_run_still_writing_its_last_line_plots_without_it(tmp_path, capsys):
     assert main([str(run), "--out", str(tmp_path / "curves.png")]) == 0
     out, err = capsys.readouterr()
     assert out == f"1 run(s) -> {tmp_path / 'curves.png'}\n"
-    assert err == (f"{run / 'metrics.jsonl'}:4: skipped the incomplete last line (a run still writing it, or a file "
-                   "cut short)\n")
+    assert err == (
+        f"{run / 'metrics.jsonl'}:4: skipped the incomplete last line (a run still writing it, or a file cut short)\n"
+    )
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG)
     assert read_metrics(run) == RECORDS
 

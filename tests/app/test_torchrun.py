@@ -15,17 +15,32 @@ import pytest
 from common import SMALL_RUN
 
 SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.backend=aot_eager", "run.steps=2", "run.sft_steps=0"]
-COMPARED = ("loss", "probs_ratio", "probs_ratio_min", "probs_ratio_max", "kl_penalty", "approx_entropy",
-            "token_mult_prob_error", "sampling_importance_ratio", "num_valid_samples", "global_valid_toks",
-            "grad_norm")
+COMPARED = (
+    "loss",
+    "probs_ratio",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "kl_penalty",
+    "approx_entropy",
+    "token_mult_prob_error",
+    "sampling_importance_ratio",
+    "num_valid_samples",
+    "global_valid_toks",
+    "grad_norm",
+)
 
 
 def _run(out, *overrides, procs=1):
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}"] if procs > 1 else [
-        sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}"] if procs > 1 else [sys.executable]
+    )
     start = time.monotonic()
-    proc = subprocess.run([*launcher, "-m", "compiled_loss.run", *SMALL, *overrides, f"hydra.run.dir={out}"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*launcher, "-m", "compiled_loss.run", *SMALL, *overrides, f"hydra.run.dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     summaries = [json.loads(p.read_text()) for p in sorted(out.glob("summary*.json"))]
@@ -51,9 +66,11 @@ def test_first_step_equals_the_single_process_run(single, sizes, tmp_path):
     print(f"torchrun {' '.join(sizes)}: {seconds:.1f} s wall")
 
 
-@pytest.mark.parametrize(("chosen", "sizes"), [(("draft=eagle3",), ("parallel.dp=2",)),
-                                                (("draft=dflash", "packing=none"), ("parallel.tp=2", "parallel.cp=2"))],
-                         ids=["eagle3-fused-dp2", "dflash-padded-tp2cp2"])
+@pytest.mark.parametrize(
+    ("chosen", "sizes"),
+    [(("draft=eagle3",), ("parallel.dp=2",)), (("draft=dflash", "packing=none"), ("parallel.tp=2", "parallel.cp=2"))],
+    ids=["eagle3-fused-dp2", "dflash-padded-tp2cp2"],
+)
 def test_a_drafter_trains_as_in_a_single_process(chosen, sizes, tmp_path):
     """One micro-batch per replica (each DP replica's micro-batch is then the single
     process's rows split in two, with the denominators summed over DP); DFlash draws a
@@ -81,9 +98,14 @@ def test_a_drafter_trains_as_in_a_single_process(chosen, sizes, tmp_path):
 
 
 def test_a_process_count_that_is_not_tp_cp_dp_is_refused(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "compiled_loss.run", *SMALL, "parallel.tp=2",
-                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "compiled_loss.run", *SMALL, "parallel.tp=2", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
-    assert ("parallel.tp × parallel.cp × parallel.dp = 2 × 1 × 1 = 2 must equal the number of processes, 1"
-            in proc.stderr)
+    assert (
+        "parallel.tp × parallel.cp × parallel.dp = 2 × 1 × 1 = 2 must equal the number of processes, 1" in proc.stderr
+    )
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -84,8 +84,7 @@ def _nemo_rl_advantages(rewards, group, leave_one_out, normalize):
 def test_grpo_advantages_are_nemo_rls(leave_one_out, normalize, group):
     rewards = torch.tensor([0.0, 1.0, 0.5, 0.25, 0.7, 0.7, 0.7, 0.7], dtype=torch.float64)
     got = grpo_advantages(rewards, group, leave_one_out=leave_one_out, normalize=normalize)
-    torch.testing.assert_close(got, _nemo_rl_advantages(rewards, group, leave_one_out, normalize), rtol=1e-9,
-                               atol=1e-9)
+    torch.testing.assert_close(got, _nemo_rl_advantages(rewards, group, leave_one_out, normalize), rtol=1e-9, atol=1e-9)
     if group == 4:
         assert got[4:].abs().max() < 1e-9  # a group of equal rewards teaches nothing
 
@@ -113,7 +112,8 @@ def test_sampled_rows_hold_prompt_response_and_the_samplers_logprobs():
         length, prompt, total = int(batch["input_lengths"][row]), int(p.lengths[row]), len(batch["input_ids"][row])
         assert batch["input_ids"][row, :prompt].tolist() == p.input_ids[row, :prompt].tolist()
         assert batch["token_mask"][row].tolist() == [0.0] * prompt + [1.0] * (length - prompt) + [0.0] * (
-            total - length)
+            total - length
+        )
         assert (batch["generation_logprobs"][row] == torch.where(batch["token_mask"][row] > 0, -0.5, 0.0)).all()
         assert (batch["input_ids"][row, length:] == PAD).all()
     assert batch["rewards"].tolist()[0] == 1.0 and batch["advantages"].shape == batch["input_ids"].shape
@@ -124,9 +124,17 @@ def test_sampled_rows_hold_prompt_response_and_the_samplers_logprobs():
 def test_dpo_pairs_are_each_groups_best_and_worst():
     p = _prompts(3).repeat(3)
     exact = [p.targets[i, : p.target_lengths[i]].tolist() for i in range(9)]
-    tokens = [exact[0][:1], exact[1], [EOS],  # group 0: best row 1, worst row 2
-              exact[3], exact[4], exact[5],  # group 1: all correct, a tie
-              [EOS], exact[7][:2], exact[8]]  # group 2: best row 8, worst row 6
+    tokens = [
+        exact[0][:1],
+        exact[1],
+        [EOS],  # group 0: best row 1, worst row 2
+        exact[3],
+        exact[4],
+        exact[5],  # group 1: all correct, a tie
+        [EOS],
+        exact[7][:2],
+        exact[8],
+    ]  # group 2: best row 8, worst row 6
     pairs = preference_pairs(_sampled(p, tokens), 3)
     assert pairs["input_ids"].shape[0] == 6
     assert pairs["rewards"].tolist()[0] == 1.0 and pairs["rewards"].tolist()[4] == 1.0

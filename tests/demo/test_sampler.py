@@ -15,9 +15,18 @@ from compiled_loss.demo.data import EOS, PAD, model_logprobs, response_width, sa
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.demo.sampler import Sampler, _pick, sampling_uniforms
 
-SMALL = ["model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-         "data.prompts=3", "data.group_size=4", "data.modulus=16", "data.prompt_terms_max=5", "data.total_terms=10",
-         "data.response_max=12"]
+SMALL = [
+    "model.vocab_size=96",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.prompts=3",
+    "data.group_size=4",
+    "data.modulus=16",
+    "data.prompt_terms_max=5",
+    "data.total_terms=10",
+    "data.response_max=12",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +48,11 @@ def _sampled(*overrides: str, steps: int = 1):
     return cfg, model, sampler, prompts, samples
 
 
-@pytest.mark.parametrize("sampling", [(), ("logprob.temperature=0.7", "logprob.top_k=20", "logprob.top_p=0.9")],
-                         ids=["plain", "temperature-topk-topp"])
+@pytest.mark.parametrize(
+    "sampling",
+    [(), ("logprob.temperature=0.7", "logprob.top_k=20", "logprob.top_p=0.9")],
+    ids=["plain", "temperature-topk-topp"],
+)
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_the_samplers_logprobs_are_the_policys(sampling, backend):
     compile_ = ["compile.enabled=false"] if backend == "eager" else [f"compile.backend={backend}"]
@@ -103,11 +115,18 @@ def test_the_wrong_prompt_shape_is_refused():
 
 def test_non_finite_rows_draw_inside_the_vocabulary_with_a_nan_logprob():
     """searchsorted over a NaN cdf answers V (one past the vocabulary): the draw stays inside it."""
-    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [float("nan")] * 4, [float("inf"), 1.0, 2.0, 3.0],
-                           [float("-inf")] * 4])
+    logits = torch.tensor(
+        [[0.0, 1.0, 2.0, 3.0], [float("nan")] * 4, [float("inf"), 1.0, 2.0, 3.0], [float("-inf")] * 4]
+    )
     for top_k in (None, 2):
-        tokens, logprobs, _ = _pick(logits, torch.full((4,), 0.2), temperature=1.0, top_k=top_k, top_p=1.0,
-                                    alive=torch.ones(4, dtype=torch.bool))
+        tokens, logprobs, _ = _pick(
+            logits,
+            torch.full((4,), 0.2),
+            temperature=1.0,
+            top_k=top_k,
+            top_p=1.0,
+            alive=torch.ones(4, dtype=torch.bool),
+        )
         assert tokens.tolist() == [2, 3, 3, 3]
         assert logprobs[0].isfinite() and logprobs[1:].isnan().all()
 
@@ -121,8 +140,12 @@ def test_a_diverged_policy_is_refused_naming_the_step(backend):
         for p in model.parameters():
             p.fill_(float("nan"))
     rows = cfg.data.prompts * cfg.data.group_size
-    prompts = task_prompts(cfg.data, cfg.model.vocab_size, random.Random(0), cfg.data.prompts).repeat(cfg.data.group_size)
+    prompts = task_prompts(cfg.data, cfg.model.vocab_size, random.Random(0), cfg.data.prompts).repeat(
+        cfg.data.group_size
+    )
     with pytest.raises(FloatingPointError) as error:
         Sampler(cfg, model, rows)(prompts, sampling_uniforms(0, 7, rows, response_width(cfg.data)), step=7)
-    assert str(error.value) == ("Sampler (step 7): the policy's logits for row 0 at response slot 0 are not finite "
-                                "(NaN or inf): the policy has diverged, there is no distribution to sample from")
+    assert str(error.value) == (
+        "Sampler (step 7): the policy's logits for row 0 at response slot 0 are not finite "
+        "(NaN or inf): the policy has diverged, there is no distribution to sample from"
+    )

@@ -64,6 +64,7 @@ def _unpacked_batch(policy: TinyLM, runtime: DFlashRuntime, ids, lengths, loss_m
 def _pack(batch: DraftBatch, lengths: list[int], width: int, fill: float = 0.0) -> DraftBatch:
     """The same documents in one row `[1, width]` (document order kept, padding at the end);
     float padding slots hold `fill`."""
+
     def pack(x, pad):
         parts = [x[i, :n] for i, n in enumerate(lengths)]
         total = sum(lengths)
@@ -71,9 +72,13 @@ def _pack(batch: DraftBatch, lengths: list[int], width: int, fill: float = 0.0) 
         return torch.cat(parts + [tail])[None]
 
     return DraftBatch(
-        pack(batch.input_ids, 0), pack(batch.hidden_states, fill), pack(batch.teacher_logits, fill),
-        pack(batch.loss_mask, 0.0), pack(batch.document_ids, -1),
-        pack(batch.position_ids, 0), pack(batch.anchor_noise, 0.5),
+        pack(batch.input_ids, 0),
+        pack(batch.hidden_states, fill),
+        pack(batch.teacher_logits, fill),
+        pack(batch.loss_mask, 0.0),
+        pack(batch.document_ids, -1),
+        pack(batch.position_ids, 0),
+        pack(batch.anchor_noise, 0.5),
     )
 
 
@@ -164,8 +169,17 @@ D2T = torch.tensor([0, 0, 1, 1, 2, 3, 4])  # draft ids -> target ids 0, 1, 3, 4,
 
 
 def _tiny_case(seed: int = 0):
-    cfg = DFlashConfig(block_size=4, num_anchors=6, loss_decay_gamma=2.0, ce_loss_alpha=0.8, l1_loss_alpha=0.7,
-                       confidence_head_alpha=0.3, hidden_size=8, num_heads=2, token_chunk_size=5)
+    cfg = DFlashConfig(
+        block_size=4,
+        num_anchors=6,
+        loss_decay_gamma=2.0,
+        ce_loss_alpha=0.8,
+        l1_loss_alpha=0.7,
+        confidence_head_alpha=0.3,
+        hidden_size=8,
+        num_heads=2,
+        token_chunk_size=5,
+    )
     torch.manual_seed(seed)
     runtime = build_dflash_runtime(cfg, TINY, d2t=D2T)
     g = torch.Generator().manual_seed(seed)
@@ -203,8 +217,13 @@ def _reference_loss(runtime: DFlashRuntime, batch: DraftBatch, n_slots: int):
         prefix, alive = 1.0, True
         for j in range(1, cfg.block_size):
             label = p + j
-            alive = alive and label // length == p // length and docs[label] == docs[p] and bool(mask[label]) \
+            alive = (
+                alive
+                and label // length == p // length
+                and docs[label] == docs[p]
+                and bool(mask[label])
                 and int(ids[label]) in targets
+            )
             if not alive:
                 break
             q = torch.softmax(teacher_all[label - 1], -1)
@@ -232,8 +251,14 @@ def _reference_loss(runtime: DFlashRuntime, batch: DraftBatch, n_slots: int):
     tv = terms["tv"] / (terms["w"] + 1e-6)
     conf = terms["conf"] / (terms["n"] + 1e-6)
     loss = (cfg.ce_loss_alpha * ce + cfg.l1_loss_alpha * tv + cfg.confidence_head_alpha * conf) / n_slots
-    metrics = {"draft_loss": loss, "draft_ce_loss": ce / n_slots, "draft_tv_loss": tv / n_slots,
-               "draft_conf_loss": conf / n_slots, "draft_tau_num": terms["tau"], "draft_tau_den": terms["blocks"]}
+    metrics = {
+        "draft_loss": loss,
+        "draft_ce_loss": ce / n_slots,
+        "draft_tv_loss": tv / n_slots,
+        "draft_conf_loss": conf / n_slots,
+        "draft_tau_num": terms["tau"],
+        "draft_tau_den": terms["blocks"],
+    }
     for k in range(runtime.gamma):
         metrics[f"draft_accept_rate_num@{k + 1}"] = accept_num[k]
         metrics[f"draft_accept_rate_den@{k + 1}"] = accept_den[k]
@@ -253,8 +278,9 @@ def test_loss_metrics_and_gradients_match_a_float64_computation():
     assert sorted(ref_metrics[f"draft_accept_rate_den@{k}"] for k in (1, 2, 3)) != [6.0] * 3
     assert set(metrics) == set(ref_metrics)
     for key, value in ref_metrics.items():
-        torch.testing.assert_close(metrics[key].double(), torch.as_tensor(value, dtype=torch.float64),
-                                   rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(
+            metrics[key].double(), torch.as_tensor(value, dtype=torch.float64), rtol=1e-5, atol=1e-6, msg=key
+        )
     assert metrics["draft_loss"] > 0 and metrics["draft_conf_loss"] > 0
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-6)
@@ -314,8 +340,15 @@ def test_compute_loss_seed_protocol_uses_the_stashed_teacher():
 
 def test_packed_row_equals_unpacked_rows():
     policy = _policy()
-    cfg = DFlashConfig(num_anchors=8, block_size=4, l1_loss_alpha=0.5, confidence_head_alpha=0.2, hidden_size=32,
-                       num_heads=4, num_layers=2)
+    cfg = DFlashConfig(
+        num_anchors=8,
+        block_size=4,
+        l1_loss_alpha=0.5,
+        confidence_head_alpha=0.2,
+        hidden_size=32,
+        num_heads=4,
+        num_layers=2,
+    )
     torch.manual_seed(1)
     runtime = build_dflash_runtime(cfg, SMALL, policy_embedding_weight=policy.embed.weight)
     lengths = [7, 11, 5, 9]
@@ -325,8 +358,12 @@ def test_packed_row_equals_unpacked_rows():
     noise = torch.rand(4, 12, generator=g)  # per document position: same anchors in both layouts
     unpacked = _unpacked_batch(policy, runtime, ids, torch.tensor(lengths), mask, noise)
     nan = torch.where(unpacked.document_ids[..., None] >= 0, 0.0, float("nan"))
-    unpacked = DraftBatch(unpacked.input_ids, unpacked.hidden_states + nan, unpacked.teacher_logits + nan,
-                          *(getattr(unpacked, f) for f in ("loss_mask", "document_ids", "position_ids", "anchor_noise")))
+    unpacked = DraftBatch(
+        unpacked.input_ids,
+        unpacked.hidden_states + nan,
+        unpacked.teacher_logits + nan,
+        *(getattr(unpacked, f) for f in ("loss_mask", "document_ids", "position_ids", "anchor_noise")),
+    )
     packed = _pack(unpacked, lengths, 40, fill=float("nan"))  # padding holds NaN in both layouts
 
     params = [p for p in runtime.parameters() if p.requires_grad]
@@ -363,8 +400,15 @@ def test_one_compile_over_batches_with_varying_anchor_counts(one_thread):
     for i in range(50):
         density = [0.0, 0.05, 0.1, 0.3, 0.6, 1.0][i % 6]
         mask = (torch.rand(rows, width, generator=g) < density).float() * (base.document_ids >= 0)
-        batch = DraftBatch(base.input_ids, base.hidden_states, base.teacher_logits, mask, base.document_ids,
-                           base.position_ids, torch.rand(rows, width, generator=g))
+        batch = DraftBatch(
+            base.input_ids,
+            base.hidden_states,
+            base.teacher_logits,
+            mask,
+            base.document_ids,
+            base.position_ids,
+            torch.rand(rows, width, generator=g),
+        )
         loss, metrics = step(batch, 2)
         loss.backward()
         blocks.append(int(metrics["draft_tau_den"]))
@@ -408,8 +452,10 @@ def test_training_lowers_the_loss_and_raises_tau(one_thread):
     def mean(xs, s):
         return sum(xs[s]) / len(xs[s])
 
-    print(f"loss {mean(losses, first):.3f} -> {mean(losses, last):.3f}, tau {mean(taus, first):.3f} -> "
-          f"{mean(taus, last):.3f}, accept@1 {mean(accepts, first):.3f} -> {mean(accepts, last):.3f}")
+    print(
+        f"loss {mean(losses, first):.3f} -> {mean(losses, last):.3f}, tau {mean(taus, first):.3f} -> "
+        f"{mean(taus, last):.3f}, accept@1 {mean(accepts, first):.3f} -> {mean(accepts, last):.3f}"
+    )
     assert mean(losses, last) < 0.7 * mean(losses, first)
     assert mean(taus, last) > mean(taus, first) + 0.6
     assert mean(accepts, last) > mean(accepts, first) + 0.25
@@ -432,8 +478,10 @@ def test_training_lowers_the_loss_and_raises_tau(one_thread):
         ({"hidden_size": 0}, "hidden_size must be None or >= 1, got 0"),
         ({"num_heads": 2.0}, "num_heads must be an int, got float 2.0"),
         ({"token_chunk_size": 0}, "token_chunk_size must be None or >= 1, got 0"),
-        ({"aux_layers": (1, 0)},
-         "aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, got (1, 0)"),
+        (
+            {"aux_layers": (1, 0)},
+            "aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, got (1, 0)",
+        ),
     ],
 )
 def test_config_errors_name_the_field(kwargs, message):

@@ -45,14 +45,15 @@ def _case(seed: int = 0, rows: int = 11, hidden: int = 8, vocab: int = 13, bins:
 def test_multi_bin_stats_are_per_bin_sums_of_the_masked_soft_ce():
     h, w, teacher, mask, bin_ids, weights = _case()
     logits = (h @ w.T).requires_grad_()
-    stats = streaming_vocab_parallel_soft_ce(student_logits=logits, teacher_logits=teacher, mask=mask,
-                                             token_chunk_size=4, bin_ids=bin_ids, weights=weights)
+    stats = streaming_vocab_parallel_soft_ce(
+        student_logits=logits, teacher_logits=teacher, mask=mask, token_chunk_size=4, bin_ids=bin_ids, weights=weights
+    )
     ce = _soft_ce(logits, teacher)
     for b in range(3):
         sel = bin_ids == b
         torch.testing.assert_close(stats.numerators[b].double(), (ce * mask)[sel].sum())
         torch.testing.assert_close(stats.counts[b].double(), mask[sel].sum())
-    expected = ((stats.numerators * stats.weights).sum() / ((stats.counts * stats.weights).sum() + 1e-8))
+    expected = (stats.numerators * stats.weights).sum() / ((stats.counts * stats.weights).sum() + 1e-8)
     torch.testing.assert_close(stats.normalized(stats.counts), expected)
     # the gradient w.r.t. the student is (q - p)·mask·weight[bin] for the normalised loss's numerator
     (grad,) = torch.autograd.grad((stats.numerators * weights.float()).sum(), logits)
@@ -62,25 +63,29 @@ def test_multi_bin_stats_are_per_bin_sums_of_the_masked_soft_ce():
 
 def test_rows_outside_the_mask_contribute_nothing_even_when_not_finite():
     h, w, teacher, mask, bin_ids, weights = _case()
-    logits = (h @ w.T)
+    logits = h @ w.T
     logits[mask == 0] = float("nan")
     logits.requires_grad_()
-    stats = streaming_vocab_parallel_soft_ce(student_logits=logits, teacher_logits=teacher, mask=mask,
-                                             bin_ids=bin_ids, weights=weights)
+    stats = streaming_vocab_parallel_soft_ce(
+        student_logits=logits, teacher_logits=teacher, mask=mask, bin_ids=bin_ids, weights=weights
+    )
     (grad,) = torch.autograd.grad(stats.numerators.sum(), logits)
     assert torch.isfinite(stats.numerators).all() and torch.isfinite(grad).all()
     assert (grad[mask == 0] == 0).all()
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(weights=torch.ones(2)), "bin_ids is required with 2 bins"),
-    (dict(weights=torch.ones(2), bin_ids=torch.zeros(11, dtype=torch.int32)), "bin_ids must be a long tensor"),
-    (dict(weights=torch.ones(2), bin_ids=torch.full((11,), 2)), r"bin_ids must lie in \[0, 2\), got \[2, 2\]"),
-    (dict(weights=torch.ones(())), "weights must be 1-D and non-empty"),
-    (dict(mask=torch.ones(10)), r"mask must have shape \(11,\)"),
-    (dict(teacher_logits=torch.zeros(11, 12)), "matching \\[..., V\\] shapes"),
-    (dict(token_chunk_size=0), "token_chunk_size must be None or an int >= 1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(weights=torch.ones(2)), "bin_ids is required with 2 bins"),
+        (dict(weights=torch.ones(2), bin_ids=torch.zeros(11, dtype=torch.int32)), "bin_ids must be a long tensor"),
+        (dict(weights=torch.ones(2), bin_ids=torch.full((11,), 2)), r"bin_ids must lie in \[0, 2\), got \[2, 2\]"),
+        (dict(weights=torch.ones(())), "weights must be 1-D and non-empty"),
+        (dict(mask=torch.ones(10)), r"mask must have shape \(11,\)"),
+        (dict(teacher_logits=torch.zeros(11, 12)), "matching \\[..., V\\] shapes"),
+        (dict(token_chunk_size=0), "token_chunk_size must be None or an int >= 1"),
+    ],
+)
 def test_bad_inputs_name_the_argument(kwargs, message):
     h, w, teacher, mask, _, _ = _case()
     args = dict(student_logits=h @ w.T, teacher_logits=teacher, mask=mask) | kwargs
@@ -115,9 +120,10 @@ def test_linear_vocab_reduce_equals_vocab_reduce_of_the_projection():
 def _compiled_projected():
     return torch.compile(
         lambda h, w, t, m, ids, wt: projected_streaming_vocab_parallel_soft_ce(
-            student_hidden=h, output_weight=w, teacher_logits=t, mask=m, token_chunk_size=4, bin_ids=ids,
-            weights=wt).normalized(torch.ones(3)),
-        backend="aot_eager", fullgraph=True,
+            student_hidden=h, output_weight=w, teacher_logits=t, mask=m, token_chunk_size=4, bin_ids=ids, weights=wt
+        ).normalized(torch.ones(3)),
+        backend="aot_eager",
+        fullgraph=True,
     )
 
 
@@ -126,14 +132,21 @@ def test_projected_soft_ce_equals_the_soft_ce_of_the_projected_logits(compiled):
     h, w, teacher, mask, bin_ids, weights = _case(rows=3 * 5)
     h, w = h.reshape(3, 5, -1).requires_grad_(), w.requires_grad_()
     teacher, mask, bin_ids = teacher.reshape(3, 5, -1), mask.reshape(3, 5), bin_ids.reshape(3, 5)
-    ref = streaming_vocab_parallel_soft_ce(student_logits=h @ w.T, teacher_logits=teacher, mask=mask,
-                                           bin_ids=bin_ids, weights=weights).normalized(torch.ones(3))
+    ref = streaming_vocab_parallel_soft_ce(
+        student_logits=h @ w.T, teacher_logits=teacher, mask=mask, bin_ids=bin_ids, weights=weights
+    ).normalized(torch.ones(3))
     if compiled:
         got = _compiled_projected()(h, w, teacher, mask, bin_ids, weights)
     else:
         got = projected_streaming_vocab_parallel_soft_ce(
-            student_hidden=h, output_weight=w, teacher_logits=teacher, mask=mask, token_chunk_size=4,
-            bin_ids=bin_ids, weights=weights).normalized(torch.ones(3))
+            student_hidden=h,
+            output_weight=w,
+            teacher_logits=teacher,
+            mask=mask,
+            token_chunk_size=4,
+            bin_ids=bin_ids,
+            weights=weights,
+        ).normalized(torch.ones(3))
     torch.testing.assert_close(got, ref.to(got.dtype))
     for a, b in zip(torch.autograd.grad(ref, (h, w)), torch.autograd.grad(got, (h, w))):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
@@ -148,8 +161,14 @@ def _projected_tp(rank: int, world: int, same_mask: bool):
         mask = 1 - mask
     try:
         stats = projected_streaming_vocab_parallel_soft_ce(
-            student_hidden=h, output_weight=w[shard], teacher_logits=teacher.float()[:, shard], mask=mask.float(),
-            token_chunk_size=4, tp_group=group, bin_ids=bin_ids, weights=weights,
+            student_hidden=h,
+            output_weight=w[shard],
+            teacher_logits=teacher.float()[:, shard],
+            mask=mask.float(),
+            token_chunk_size=4,
+            tp_group=group,
+            bin_ids=bin_ids,
+            weights=weights,
         )
     except ValueError as e:
         return str(e)
@@ -161,13 +180,19 @@ def test_projected_soft_ce_over_tensor_parallel_vocabulary_shards_equals_the_ful
     h, w, teacher, mask, bin_ids, weights = _case(rows=9, vocab=12)
     h, w = h.float().requires_grad_(), w.float().requires_grad_()
     stats = projected_streaming_vocab_parallel_soft_ce(
-        student_hidden=h, output_weight=w, teacher_logits=teacher.float(), mask=mask.float(), bin_ids=bin_ids,
-        weights=weights)
+        student_hidden=h,
+        output_weight=w,
+        teacher_logits=teacher.float(),
+        mask=mask.float(),
+        bin_ids=bin_ids,
+        weights=weights,
+    )
     loss = stats.normalized(stats.counts)
     grad_h, grad_w = torch.autograd.grad(loss, (h, w))
     logits = (h.detach() @ w.detach().T).requires_grad_()  # the dense logits' gradient splits d hidden by shard
-    dense = streaming_vocab_parallel_soft_ce(student_logits=logits, teacher_logits=teacher.float(), mask=mask.float(),
-                                             bin_ids=bin_ids, weights=weights)
+    dense = streaming_vocab_parallel_soft_ce(
+        student_logits=logits, teacher_logits=teacher.float(), mask=mask.float(), bin_ids=bin_ids, weights=weights
+    )
     grad_logits = torch.autograd.grad(dense.normalized(dense.counts), logits)[0]
     results = run_on_ranks(_projected_tp, True, timeout=90)
     for rank, (got, (got_h, got_w)) in enumerate(results):
@@ -182,8 +207,10 @@ def test_projected_soft_ce_over_tensor_parallel_vocabulary_shards_equals_the_ful
 def test_ranks_with_different_masks_raise_the_same_error():
     errors = run_on_ranks(_projected_tp, False, timeout=90)
     assert errors[0] == errors[1]
-    assert errors[0].startswith("the ranks of a process group disagree on projected_streaming_vocab_parallel_soft_ce's "
-                                "inputs (shapes, dtypes, token_chunk_size; mask, bin_ids and weights exactly)")
+    assert errors[0].startswith(
+        "the ranks of a process group disagree on projected_streaming_vocab_parallel_soft_ce's "
+        "inputs (shapes, dtypes, token_chunk_size; mask, bin_ids and weights exactly)"
+    )
 
 
 def _deferred_case(seed: int):
@@ -199,8 +226,7 @@ def _deferred_case(seed: int):
 
 
 def _deferred_wrapper(defer: bool) -> DraftLossWrapper:
-    loss_fn = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(),
-                                prepare_fn=prepare_loss_input)
+    loss_fn = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(), prepare_fn=prepare_loss_input)
     return DraftLossWrapper(loss_fn, prepare_loss_input, None, loss_weight=0.5, defer_normalization=defer)
 
 
@@ -244,8 +270,9 @@ def test_the_deferred_payload_leaves_a_compiled_wrapper_intact():
     compiled = torch.compile(wrapper, backend="aot_eager", fullgraph=True)(logits, data, None, torch.tensor(50.0))
     torch.testing.assert_close(compiled[0], eager[0])
     for name in ("numerators", "counts", "weights"):
-        torch.testing.assert_close(getattr(compiled[1]["_draft_step_payload"], name),
-                                   getattr(eager[1]["_draft_step_payload"], name))
+        torch.testing.assert_close(
+            getattr(compiled[1]["_draft_step_payload"], name), getattr(eager[1]["_draft_step_payload"], name)
+        )
 
 
 def test_draft_loss_stats_reject_mismatched_shapes():

@@ -20,8 +20,16 @@ def _packed_case(policy_loss_fn, loss_weight=0.5, d2t=D2T):
     cu, cup = (0, 5, 8), (0, 6, 10)
     data = {"token_mask": torch.tensor([[0.0, 1, 1, 1, 1], [0, 1, 1, 0, 0]]), "sample_mask": torch.ones(2)}
     student = torch.randn(1, 10, 5, requires_grad=True)
-    wrapper = DraftLossWrapper(policy_loss_fn, None, data, loss_weight=loss_weight, cu_seqlens_q=cu,
-                               cu_seqlens_q_padded=cup, d2t=d2t, student_logits=student)
+    wrapper = DraftLossWrapper(
+        policy_loss_fn,
+        None,
+        data,
+        loss_weight=loss_weight,
+        cu_seqlens_q=cu,
+        cu_seqlens_q_padded=cup,
+        d2t=d2t,
+        student_logits=student,
+    )
     return wrapper, data, torch.randn(1, 10, 11, requires_grad=True)
 
 

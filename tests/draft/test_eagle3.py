@@ -85,8 +85,15 @@ def _batch(rows):
         for key in parts:
             parts[key].append(torch.cat(cols[key]))
     t = {k: torch.stack(v) for k, v in parts.items()}
-    return DraftBatch(input_ids=t["ids"], hidden_states=t["hidden"], teacher_logits=t["teacher"], loss_mask=t["mask"],
-                      document_ids=t["doc"], position_ids=t["pos"], anchor_noise=torch.zeros(t["ids"].shape))
+    return DraftBatch(
+        input_ids=t["ids"],
+        hidden_states=t["hidden"],
+        teacher_logits=t["teacher"],
+        loss_mask=t["mask"],
+        document_ids=t["doc"],
+        position_ids=t["pos"],
+        anchor_noise=torch.zeros(t["ids"].shape),
+    )
 
 
 def _unpacked(seqs, width):
@@ -164,8 +171,11 @@ def test_loss_is_the_decayed_masked_kl_mean_with_the_vllm_aligned_mask():
     assert metrics["draft_loss"].item() == loss.item()
     assert 0.5 < expected < 5.0  # a real KL, not an empty mask
     assert sorted(metrics) == sorted(
-        [f"draft_{name}@{k}" for k in range(2) for name in
-         ("ttt_loss_num", "ttt_loss_den", "full_acc_num", "full_acc_den", "cond_acc_num", "cond_acc_den")]
+        [
+            f"draft_{name}@{k}"
+            for k in range(2)
+            for name in ("ttt_loss_num", "ttt_loss_den", "full_acc_num", "full_acc_den", "cond_acc_num", "cond_acc_den")
+        ]
         + ["draft_loss"]
     )
 
@@ -246,7 +256,9 @@ def _naive_step_logits(d, batch, steps, theta=10000.0):
             new_hidden = {}
             for t in real:
                 ks = [keys[0][s] for s in real if s <= t and doc[s] == doc[t]] + [keys[i][t] for i in range(1, k + 1)]
-                vs = [values[0][s] for s in real if s <= t and doc[s] == doc[t]] + [values[i][t] for i in range(1, k + 1)]
+                vs = [values[0][s] for s in real if s <= t and doc[s] == doc[t]] + [
+                    values[i][t] for i in range(1, k + 1)
+                ]
                 weights = torch.softmax(torch.stack([(q_s[t] * kk).sum(-1) for kk in ks]) / math.sqrt(width), 0)
                 attn = (weights[..., None] * torch.stack(vs)).sum(0).reshape(-1)
                 h = hidden[t] + d.o_proj(attn)
@@ -315,10 +327,12 @@ def test_packed_row_equals_unpacked_rows():
         assert torch.isfinite(grads_u[name]).all() and grads_u[name].abs().sum() > 0, name
         torch.testing.assert_close(grads_p[name], grads_u[name], rtol=1e-4, atol=1e-6, msg=name)
     # each sequence alone gives its share: the loss is a sum of per-sequence numerators
-    nums = [sum(_loss_and_grads(runtime, _unpacked([s], 10))[1][f"draft_ttt_loss_num@{k}"] for s in seqs)
-            for k in range(3)]
-    torch.testing.assert_close(torch.stack(nums), torch.stack([metrics_u[f"draft_ttt_loss_num@{k}"]
-                                                               for k in range(3)]), rtol=1e-5, atol=1e-6)
+    nums = [
+        sum(_loss_and_grads(runtime, _unpacked([s], 10))[1][f"draft_ttt_loss_num@{k}"] for s in seqs) for k in range(3)
+    ]
+    torch.testing.assert_close(
+        torch.stack(nums), torch.stack([metrics_u[f"draft_ttt_loss_num@{k}"] for k in range(3)]), rtol=1e-5, atol=1e-6
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -379,10 +393,13 @@ def test_training_against_a_frozen_policy_lowers_the_loss_and_raises_agreement()
         with torch.no_grad():
             logits, hidden = policy(ids, positions, torch.zeros_like(ids), return_hidden=True)
         batch = DraftBatch(
-            input_ids=ids, hidden_states=aux_hidden_states(hidden, runtime.aux_layers), teacher_logits=logits,
+            input_ids=ids,
+            hidden_states=aux_hidden_states(hidden, runtime.aux_layers),
+            teacher_logits=logits,
             loss_mask=data["token_mask"] * data["sample_mask"][:, None],
             document_ids=torch.where(positions < data["input_lengths"][:, None], torch.arange(rows)[:, None], -1),
-            position_ids=positions, anchor_noise=torch.zeros(rows, width),
+            position_ids=positions,
+            anchor_noise=torch.zeros(rows, width),
         )
         loss, metrics = runtime.draft_loss(batch)
         optim.zero_grad()
@@ -393,8 +410,10 @@ def test_training_against_a_frozen_policy_lowers_the_loss_and_raises_agreement()
     seconds = time.perf_counter() - start
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     acc_first, acc_last = sum(accuracy[:10]) / 10, sum(accuracy[-10:]) / 10
-    print(f"eagle3 training: loss {first:.3f} -> {last:.3f}, step-0 agreement {acc_first:.3f} -> {acc_last:.3f}, "
-          f"{seconds:.1f} s")
+    print(
+        f"eagle3 training: loss {first:.3f} -> {last:.3f}, step-0 agreement {acc_first:.3f} -> {acc_last:.3f}, "
+        f"{seconds:.1f} s"
+    )
     assert last < 0.5 * first  # measured 0.327 -> 0.077, step-0 agreement 0.151 -> 0.461 (~5 s)
     assert acc_last > acc_first + 0.15
 
@@ -417,7 +436,9 @@ class TestConfigErrors(TestCase):
             "heads": dict(hidden_size=10, num_heads=4),
         }
         got = "\n".join(f"{name}: {message(Eagle3Config, **kw)}" for name, kw in cases.items())
-        self.assertExpectedInline(got, """\
+        self.assertExpectedInline(
+            got,
+            """\
 ttt_steps=0: ConfigError: ttt_steps must be >= 1, got 0
 ttt_steps=2.0: ConfigError: ttt_steps must be an int, got float 2.0
 decay=0: ConfigError: ttt_step_loss_decay must be in (0, 1], got 0.0
@@ -426,20 +447,26 @@ loss_weight=-1: ConfigError: loss_weight must be >= 0, got -1.0
 loss_weight=nan: ConfigError: loss_weight must be finite, got nan
 token_chunk_size=0: ConfigError: token_chunk_size must be >= 1, got 0
 aux_layers=(): ConfigError: aux_layers must be None or a non-empty tuple of ints >= 0, got ()
-heads: ConfigError: hidden_size (10) must be divisible by num_heads (4)""")
+heads: ConfigError: hidden_size (10) must be divisible by num_heads (4)""",
+        )
         assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, AssertionError)
         assert Eagle3Config(aux_layers=[2, 0]).aux_layers == (2, 0)  # a Hydra list
 
     def test_builder_checks_against_the_policy(self):
         policy = ModelConfig(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2)
-        got = "\n".join([
-            message(build_eagle3_runtime, Eagle3Config(aux_layers=(0, 2)), policy),
-            message(build_eagle3_runtime, Eagle3Config(draft_vocab_size=8), policy),
-            message(build_eagle3_runtime, Eagle3Config(draft_vocab_size=4), policy, d2t=D2T),
-            message(build_eagle3_runtime, Eagle3Config(hidden_size=12, num_heads=2), policy, torch.zeros(16, 8)),
-        ])
-        self.assertExpectedInline(got, """\
+        got = "\n".join(
+            [
+                message(build_eagle3_runtime, Eagle3Config(aux_layers=(0, 2)), policy),
+                message(build_eagle3_runtime, Eagle3Config(draft_vocab_size=8), policy),
+                message(build_eagle3_runtime, Eagle3Config(draft_vocab_size=4), policy, d2t=D2T),
+                message(build_eagle3_runtime, Eagle3Config(hidden_size=12, num_heads=2), policy, torch.zeros(16, 8)),
+            ]
+        )
+        self.assertExpectedInline(
+            got,
+            """\
 ConfigError: aux_layers (0, 2) must name decoder layers of the policy, [0, 2)
 ConfigError: draft_vocab_size (8) differs from the policy's vocabulary (16): pass a d2t map
 ConfigError: draft_vocab_size (4) must equal the size of the d2t map (3)
-ValueError: policy_embedding_weight must be [16, 12] (vocab_size, the drafter's hidden_size), got (16, 8)""")
+ValueError: policy_embedding_weight must be [16, 12] (vocab_size, the drafter's hidden_size), got (16, 8)""",
+        )

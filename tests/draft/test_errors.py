@@ -26,6 +26,8 @@ class TestDraftAndTeachers(TestCase):
 
     def test_teacher_index_without_loaded_head(self):
         self.assertExpectedInline(
-            message(_project_hidden_states_per_teacher, torch.randn(2, 3, 4), {0: torch.randn(5, 4)}, torch.tensor([0, 1])),
+            message(
+                _project_hidden_states_per_teacher, torch.randn(2, 3, 4), {0: torch.randn(5, 4)}, torch.tensor([0, 1])
+            ),
             """ValueError: teacher_index names teacher 1 but no teacher LM head is loaded for that index (loaded: [0])""",
         )

@@ -79,7 +79,9 @@ def test_draft_loss_wrapper_reports_draft_loss_when_weight_is_zero(monkeypatch):
     data = {}
     wrapper = DraftLossWrapper(
         lambda *a: (torch.tensor(5.0), {"loss": torch.tensor(5.0)}),
-        lambda **kw: ({}, kw["data"]), data, loss_weight=0.0,
+        lambda **kw: ({}, kw["data"]),
+        data,
+        loss_weight=0.0,
     )
     loss, metrics = wrapper(torch.randn(1, 2, 3), data, torch.tensor(1), torch.tensor(1))
     assert loss.item() == 5.0
@@ -92,8 +94,9 @@ def test_draft_loss_wrapper_validation():
     with pytest.raises(ValueError, match="student_logits"):
         DraftLossWrapper(policy, None, {}, cu_seqlens_q=(0, 4), cu_seqlens_q_padded=(0, 4))
     with pytest.raises(ValueError, match="defer_normalization"):
-        DraftLossWrapper(policy, None, {}, cu_seqlens_q=(0, 4), student_logits=torch.zeros(1, 4, 3),
-                         defer_normalization=True)
+        DraftLossWrapper(
+            policy, None, {}, cu_seqlens_q=(0, 4), student_logits=torch.zeros(1, 4, 3), defer_normalization=True
+        )
     with pytest.raises(ValueError, match="prepare_fn"):
         DraftLossWrapper(policy, None, {})
     wrapper = DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=None), {})
@@ -112,8 +115,11 @@ def test_draft_cross_entropy_matches_hand_soft_ce(chunk):
     g_t = torch.tensor(7.0)
 
     loss = DraftCrossEntropyLossFn(token_chunk_size=chunk)(
-        teacher_logits=teacher, student_logits=student, token_mask=token_mask,
-        data={"sample_mask": sample_mask}, global_valid_seqs=torch.tensor(1.0),
+        teacher_logits=teacher,
+        student_logits=student,
+        token_mask=token_mask,
+        data={"sample_mask": sample_mask},
+        global_valid_seqs=torch.tensor(1.0),
         global_valid_toks=g_t,
     )
     mask = token_mask * sample_mask[:, None]
@@ -131,8 +137,12 @@ def test_draft_cross_entropy_matches_hand_soft_ce(chunk):
 
     # normalisation is by the given G_t, not the mask count: doubling G_t halves the loss
     loss2 = DraftCrossEntropyLossFn(token_chunk_size=chunk)(
-        teacher_logits=teacher, student_logits=student.detach(), token_mask=token_mask,
-        data={"sample_mask": sample_mask}, global_valid_seqs=None, global_valid_toks=14.0,
+        teacher_logits=teacher,
+        student_logits=student.detach(),
+        token_mask=token_mask,
+        data={"sample_mask": sample_mask},
+        global_valid_seqs=None,
+        global_valid_toks=14.0,
     )
     torch.testing.assert_close(loss2.double(), expected / 2, rtol=1e-6, atol=1e-7)
 
@@ -142,8 +152,12 @@ def test_draft_cross_entropy_teacher_gets_no_gradient():
     teacher = torch.randn(1, 3, 5, requires_grad=True)
     student = torch.randn(1, 3, 5, requires_grad=True)
     loss = DraftCrossEntropyLossFn()(
-        teacher_logits=teacher, student_logits=student, token_mask=torch.ones(1, 3),
-        data={"sample_mask": torch.ones(1)}, global_valid_seqs=None, global_valid_toks=3.0,
+        teacher_logits=teacher,
+        student_logits=student,
+        token_mask=torch.ones(1, 3),
+        data={"sample_mask": torch.ones(1)},
+        global_valid_seqs=None,
+        global_valid_toks=3.0,
     )
     loss.backward()
     assert teacher.grad is None or torch.all(teacher.grad == 0)
@@ -183,8 +197,7 @@ def test_pack_rolled_draft_token_mask_matches_unpacked_draft_mask():
     assert torch.equal(out, expected)
 
 
-def _build_draft_batch(draft_vocab: int, padded_lens=(8, 8, 4), mask_start: int = 2,
-                       sample_mask=(1.0, 1.0, 0.0)):
+def _build_draft_batch(draft_vocab: int, padded_lens=(8, 8, 4), mask_start: int = 2, sample_mask=(1.0, 1.0, 0.0)):
     torch.manual_seed(17)
     vocab = 11
     seq_lens = [5, 7, 4]
@@ -202,8 +215,17 @@ def _build_draft_batch(draft_vocab: int, padded_lens=(8, 8, 4), mask_start: int 
     packed_student = pack_rows(student, seq_lens, cup, torch.randn(cup[-1], draft_vocab) * 5)
     data = {"token_mask": token_mask, "sample_mask": sample_mask, "student_logits": student}
     g_t = (token_mask * sample_mask[:, None]).sum()
-    return dict(logits=logits, student=student, data=data, packed_logits=packed_logits,
-                packed_student=packed_student, cu=cu, cup=cup, g_t=g_t, seq_lens=seq_lens)
+    return dict(
+        logits=logits,
+        student=student,
+        data=data,
+        packed_logits=packed_logits,
+        packed_student=packed_student,
+        cu=cu,
+        cup=cup,
+        g_t=g_t,
+        seq_lens=seq_lens,
+    )
 
 
 def _zero_policy_loss(next_token_logits, data, global_valid_seqs, global_valid_toks, **kw):
@@ -224,15 +246,15 @@ def _hand_draft_loss(b, d2t) -> torch.Tensor:
     return total / b["g_t"].double()
 
 
-@pytest.mark.parametrize(
-    "draft_vocab,d2t", [(11, None), (5, torch.tensor([0, 2, 4, 5, 6]))], ids=["full", "d2t"]
-)
+@pytest.mark.parametrize("draft_vocab,d2t", [(11, None), (5, torch.tensor([0, 2, 4, 5, 6]))], ids=["full", "d2t"])
 @pytest.mark.parametrize("cu_as_tensor", [False, True], ids=["tuple", "tensor"])
 def test_packed_draft_loss_matches_unpacked(draft_vocab, d2t, cu_as_tensor):
     b = _build_draft_batch(draft_vocab)
     assert b["cu"] == (0, 5, 12, 16) and b["cup"] == (0, 8, 16, 20)
     reference = DraftLossWrapper(
-        _zero_policy_loss, functools.partial(prepare_loss_input, d2t=d2t), b["data"],
+        _zero_policy_loss,
+        functools.partial(prepare_loss_input, d2t=d2t),
+        b["data"],
     )
     ref_loss, ref_metrics = reference(b["logits"], b["data"], None, b["g_t"])
 
@@ -241,8 +263,13 @@ def test_packed_draft_loss_matches_unpacked(draft_vocab, d2t, cu_as_tensor):
         cu, cup = torch.tensor(cu), torch.tensor(cup)
     student = b["packed_student"].clone().requires_grad_()
     packed = DraftLossWrapper(
-        _zero_policy_loss, None, b["data"], cu_seqlens_q=cu, cu_seqlens_q_padded=cup,
-        d2t=d2t, student_logits=student,
+        _zero_policy_loss,
+        None,
+        b["data"],
+        cu_seqlens_q=cu,
+        cu_seqlens_q_padded=cup,
+        d2t=d2t,
+        student_logits=student,
     )
     loss, metrics = packed(b["packed_logits"], b["data"], None, b["g_t"])
 
@@ -260,22 +287,26 @@ def test_packed_draft_loss_matches_unpacked(draft_vocab, d2t, cu_as_tensor):
     assert grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize(
-    "draft_vocab,d2t", [(11, None), (5, torch.tensor([0, 2, 4, 5, 6]))], ids=["full", "d2t"]
-)
+@pytest.mark.parametrize("draft_vocab,d2t", [(11, None), (5, torch.tensor([0, 2, 4, 5, 6]))], ids=["full", "d2t"])
 def test_packed_draft_loss_does_not_leak_across_unpadded_segments(draft_vocab, d2t):
     """Stronger than the reference case: no per-sequence padding (cu == cu_padded), every
     token supervised (token_mask[i, 0] = 1), all samples kept, so a roll that is not
     segment-aware would supervise each segment's last token with the next one's first."""
-    b = _build_draft_batch(draft_vocab, padded_lens=(5, 7, 4), mask_start=0,
-                           sample_mask=(1.0, 1.0, 1.0))
+    b = _build_draft_batch(draft_vocab, padded_lens=(5, 7, 4), mask_start=0, sample_mask=(1.0, 1.0, 1.0))
     ref_loss, _ = DraftLossWrapper(
-        _zero_policy_loss, functools.partial(prepare_loss_input, d2t=d2t), b["data"],
+        _zero_policy_loss,
+        functools.partial(prepare_loss_input, d2t=d2t),
+        b["data"],
     )(b["logits"], b["data"], None, b["g_t"])
     student = b["packed_student"].clone().requires_grad_()
     loss, metrics = DraftLossWrapper(
-        _zero_policy_loss, None, b["data"], cu_seqlens_q=b["cu"], cu_seqlens_q_padded=b["cup"],
-        d2t=d2t, student_logits=student,
+        _zero_policy_loss,
+        None,
+        b["data"],
+        cu_seqlens_q=b["cu"],
+        cu_seqlens_q_padded=b["cup"],
+        d2t=d2t,
+        student_logits=student,
     )(b["packed_logits"], b["data"], None, b["g_t"])
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss.double(), _hand_draft_loss(b, d2t), rtol=1e-5, atol=1e-7)
@@ -304,12 +335,10 @@ def test_draft_loss_wrapper_unpacked_with_real_policy_loss():
     g_t = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
     g_s = data["sample_mask"].sum()
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
-    policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
-                               prepare_fn=prepare_loss_input)
+    policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn, prepare_fn=prepare_loss_input)
 
     logits = torch.randn(rows, width, vocab, requires_grad=True)
-    wrapper = DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=None), data,
-                               loss_weight=0.3)
+    wrapper = DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=None), data, loss_weight=0.3)
     loss, metrics = wrapper(logits, data, g_s, g_t)
     loss.backward()
 
@@ -410,7 +439,9 @@ def test_draft_runtime_is_the_upstream_variant_without_draft_loss_scale():
     params = inspect.signature(DraftRuntimeLossWrapper).parameters
     assert list(params) == ["loss_fn", "prepare_fn", "draft_runtime"]
     with pytest.raises(TypeError):
-        DraftRuntimeLossWrapper(_make_policy_loss_fn(torch.tensor(1.0)), _fake_prepare_fn,
-                                _FakeDraftRuntime(torch.tensor(1.0), 0.5), draft_loss_scale=4.0)
-
-
+        DraftRuntimeLossWrapper(
+            _make_policy_loss_fn(torch.tensor(1.0)),
+            _fake_prepare_fn,
+            _FakeDraftRuntime(torch.tensor(1.0), 0.5),
+            draft_loss_scale=4.0,
+        )

@@ -28,11 +28,13 @@ def _run(path: str, case_name: str, data: dict, logits: torch.Tensor):
     loss_fn = case.make_loss()
     if path == "unpacked":
         inputs, data = case.prepare(False)(logits, data, loss_fn)
-        return loss_fn(data=data, global_valid_seqs=globals_for(data)[0], global_valid_toks=globals_for(data)[1],
-                       **inputs)
+        return loss_fn(
+            data=data, global_valid_seqs=globals_for(data)[0], global_valid_toks=globals_for(data)[1], **inputs
+        )
     fused = path == "SequencePackingFusionLossWrapper"
     wrapper = (SequencePackingFusionLossWrapper if fused else SequencePackingLossWrapper)(
-        loss_fn, case.prepare(fused), CU, CU_PADDED)
+        loss_fn, case.prepare(fused), CU, CU_PADDED
+    )
     return wrapper(pack_logits(logits, CU, CU_PADDED, CU_PADDED[-1], 0), data, *globals_for(data))
 
 
@@ -51,28 +53,49 @@ def _cast(key: str, dtype: torch.dtype):
 PER_POSITION = "with [B, S] = (3, 6) (one entry per position of data['input_ids'])"
 BAD_SHAPES = {
     # an OPD_FULL teacher that covers one position fewer than the batch (zero-padded before: a uniform teacher)
-    "opd_logits_payload_short": ("opd_full_logits", _cut("opd_full_teacher_payload", WIDTH - 1),
-                                 f"ValueError: {{who}}: data['opd_full_teacher_payload'] must have shape [B, S, D] "
-                                 f"{PER_POSITION}, got (3, 5, 16)"),
-    "opd_hidden_payload_short": ("opd_full_hidden_seq_level", _cut("opd_full_teacher_payload", 2),
-                                 f"ValueError: {{who}}: data['opd_full_teacher_payload'] must have shape [B, S, D] "
-                                 f"{PER_POSITION}, got (3, 2, 6)"),
-    "opd_payload_integer": ("opd_full_logits", _cast("opd_full_teacher_payload", torch.long),
-                            "TypeError: {who}: data['opd_full_teacher_payload'] must be a floating-point tensor, got "
-                            "torch.int64"),
-    "opd_index_float": ("opd_full_hidden_seq_level", _cast("opd_full_teacher_index", torch.float32),
-                        "TypeError: {who}: data['opd_full_teacher_index'] must be an integer tensor, got torch.float32"),
+    "opd_logits_payload_short": (
+        "opd_full_logits",
+        _cut("opd_full_teacher_payload", WIDTH - 1),
+        f"ValueError: {{who}}: data['opd_full_teacher_payload'] must have shape [B, S, D] "
+        f"{PER_POSITION}, got (3, 5, 16)",
+    ),
+    "opd_hidden_payload_short": (
+        "opd_full_hidden_seq_level",
+        _cut("opd_full_teacher_payload", 2),
+        f"ValueError: {{who}}: data['opd_full_teacher_payload'] must have shape [B, S, D] "
+        f"{PER_POSITION}, got (3, 2, 6)",
+    ),
+    "opd_payload_integer": (
+        "opd_full_logits",
+        _cast("opd_full_teacher_payload", torch.long),
+        "TypeError: {who}: data['opd_full_teacher_payload'] must be a floating-point tensor, got torch.int64",
+    ),
+    "opd_index_float": (
+        "opd_full_hidden_seq_level",
+        _cast("opd_full_teacher_index", torch.float32),
+        "TypeError: {who}: data['opd_full_teacher_index'] must be an integer tensor, got torch.float32",
+    ),
     # a top-k teacher that covers fewer positions (the student was cut to its width, or packed zeros read as id 0)
-    "topk_teacher_short": ("distill_reverse", lambda d: _cut("teacher_topk_indices", 4)(_cut("teacher_topk_logits", 4)(d)),
-                           f"ValueError: {{who}}: data['teacher_topk_logits'] must have shape [B, S, k] "
-                           f"{PER_POSITION}, got (3, 4, 4)"),
-    "topk_indices_short": ("distill_mixed_zero_outside", _cut("teacher_topk_indices", 4),
-                           f"ValueError: {{who}}: data['teacher_topk_indices'] must have shape [B, S, k] "
-                           f"{PER_POSITION}, got (3, 4, 4)"),
-    "input_ids_float": ("grpo", _cast("input_ids", torch.float32),
-                        "TypeError: {who}: data['input_ids'] must be an integer tensor, got torch.float32"),
-    "sample_mask_2d": ("nll", lambda d: {**d, "sample_mask": d["sample_mask"][:, None]},
-                       "ValueError: {who}: data['sample_mask'] must have shape [B] = (3,), got (3, 1)"),
+    "topk_teacher_short": (
+        "distill_reverse",
+        lambda d: _cut("teacher_topk_indices", 4)(_cut("teacher_topk_logits", 4)(d)),
+        f"ValueError: {{who}}: data['teacher_topk_logits'] must have shape [B, S, k] {PER_POSITION}, got (3, 4, 4)",
+    ),
+    "topk_indices_short": (
+        "distill_mixed_zero_outside",
+        _cut("teacher_topk_indices", 4),
+        f"ValueError: {{who}}: data['teacher_topk_indices'] must have shape [B, S, k] {PER_POSITION}, got (3, 4, 4)",
+    ),
+    "input_ids_float": (
+        "grpo",
+        _cast("input_ids", torch.float32),
+        "TypeError: {who}: data['input_ids'] must be an integer tensor, got torch.float32",
+    ),
+    "sample_mask_2d": (
+        "nll",
+        lambda d: {**d, "sample_mask": d["sample_mask"][:, None]},
+        "ValueError: {who}: data['sample_mask'] must have shape [B] = (3,), got (3, 1)",
+    ),
 }
 
 
@@ -88,12 +111,15 @@ def test_rows_that_disagree_are_refused_unpacked():
     """(The packing wrappers refuse them when padding to the bucket.)"""
     data, logits = make_batch(CASE_BY_NAME["opd_full_hidden_seq_level"], LENGTHS, WIDTH, seed=1)
     index = data["opd_full_teacher_index"]
-    assert message(_run, "unpacked", "opd_full_hidden_seq_level", {**data, "opd_full_teacher_index": index[:2]},
-                   logits) == "ValueError: prepare_loss_input: data['opd_full_teacher_index'] must have shape [B] = " \
-                              "(3,), got (2,)"
+    assert (
+        message(_run, "unpacked", "opd_full_hidden_seq_level", {**data, "opd_full_teacher_index": index[:2]}, logits)
+        == "ValueError: prepare_loss_input: data['opd_full_teacher_index'] must have shape [B] = "
+        "(3,), got (2,)"
+    )
     data, logits = make_batch(CASE_BY_NAME["grpo"], LENGTHS, WIDTH, seed=1)
     assert message(_run, "unpacked", "grpo", {**data, "input_ids": data["input_ids"][:2]}, logits) == (
-        "ValueError: prepare_loss_input: data['token_mask'] must have shape [B, S] = (2, 6), got (3, 6)")
+        "ValueError: prepare_loss_input: data['token_mask'] must have shape [B, S] = (2, 6), got (3, 6)"
+    )
 
 
 # ---- token ids outside the vocabulary -------------------------------------------------
@@ -117,23 +143,33 @@ def test_an_eager_call_refuses_an_id_outside_the_vocabulary(bad, path):
     data[key][where] = value
     assert message(_run, path, case_name, data, logits) == (
         f"ValueError: {_who(path)}: data[{key!r}] must hold token ids in [0, 16) (the vocabulary), got {value} at "
-        f"index {where}")
+        f"index {where}"
+    )
 
 
 def test_the_vocabulary_of_linear_logits_and_of_a_pre_packed_batch():
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(2, 5, 4, generator=g), torch.randn(12, 4, generator=g)
-    data = {"input_ids": torch.randint(0, 12, (2, 5), generator=g), "token_mask": torch.ones(2, 5),
-            "sample_mask": torch.ones(2)}
+    data = {
+        "input_ids": torch.randint(0, 12, (2, 5), generator=g),
+        "token_mask": torch.ones(2, 5),
+        "sample_mask": torch.ones(2),
+    }
     data["input_ids"][1, 4] = 12
     assert message(prepare_loss_input, LinearLogits(hidden, weight), data, NLLLossFn()) == (
         "ValueError: prepare_loss_input: data['input_ids'] must hold token ids in [0, 12) (the vocabulary), got 12 at "
-        "index (1, 4)")
-    packed = {"input_ids": data["input_ids"].reshape(1, 10), "token_mask": torch.ones(1, 10),
-              "sample_mask": torch.ones(1), "cu_seqlens": torch.tensor([0, 5, 10])}
+        "index (1, 4)"
+    )
+    packed = {
+        "input_ids": data["input_ids"].reshape(1, 10),
+        "token_mask": torch.ones(1, 10),
+        "sample_mask": torch.ones(1),
+        "cu_seqlens": torch.tensor([0, 5, 10]),
+    }
     assert message(prepare_packed_loss_input, torch.randn(1, 10, 12), packed, NLLLossFn(), None) == (
         "ValueError: prepare_loss_input: data['input_ids'] must hold token ids in [0, 12) (the vocabulary), got 12 at "
-        "index (0, 9)")
+        "index (0, 9)"
+    )
 
 
 def test_compiled_the_checks_add_no_break_and_no_sync():

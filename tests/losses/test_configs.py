@@ -25,8 +25,15 @@ from compiled_loss.loss_functions import (
     OPDFullConfig,
 )
 
-CONFIGS = [ClippedPGLossConfig, DPOLossConfig, DistillationLossConfig, MseValueLossConfig, MPOLossConfig,
-           CrossTokenizerDistillationLossConfig, OPDFullConfig]
+CONFIGS = [
+    ClippedPGLossConfig,
+    DPOLossConfig,
+    DistillationLossConfig,
+    MseValueLossConfig,
+    MPOLossConfig,
+    CrossTokenizerDistillationLossConfig,
+    OPDFullConfig,
+]
 
 
 @pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)
@@ -35,7 +42,8 @@ def test_keyword_only_with_a_docstring_under_each_field(cls):
         cls(0.1)
     body = ast.parse(inspect.getsource(cls)).body[0].body
     documented = {
-        stmt.target.id for stmt, after in zip(body, body[1:])
+        stmt.target.id
+        for stmt, after in zip(body, body[1:])
         if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value.value, str)
     }
     assert documented == {f.name for f in dataclasses.fields(cls)}
@@ -54,12 +62,26 @@ def test_out_of_range_or_non_finite_beta_fails_when_the_config_is_constructed(be
     [
         ("ratio_clip_c", math.nan, "ratio_clip_c must be finite, got nan"),
         ("ratio_clip_c", 1.0, "ratio_clip_c must be > 1 for dual clipping, got 1.0"),
-        ("truncated_importance_sampling_ratio", math.nan, "truncated_importance_sampling_ratio must be finite, got nan"),
-        ("truncated_importance_sampling_ratio_min", math.nan,
-         "truncated_importance_sampling_ratio_min must be finite, got nan"),
-        ("truncated_importance_sampling_ratio", 0.0, "truncated_importance_sampling_ratio must be > 0 (or None), got 0.0"),
-        ("truncated_importance_sampling_type", "tiss",
-         "truncated_importance_sampling_type must be one of 'tis', 'icepop', 'seq-mask-tis', got 'tiss'"),
+        (
+            "truncated_importance_sampling_ratio",
+            math.nan,
+            "truncated_importance_sampling_ratio must be finite, got nan",
+        ),
+        (
+            "truncated_importance_sampling_ratio_min",
+            math.nan,
+            "truncated_importance_sampling_ratio_min must be finite, got nan",
+        ),
+        (
+            "truncated_importance_sampling_ratio",
+            0.0,
+            "truncated_importance_sampling_ratio must be > 0 (or None), got 0.0",
+        ),
+        (
+            "truncated_importance_sampling_type",
+            "tiss",
+            "truncated_importance_sampling_type must be one of 'tis', 'icepop', 'seq-mask-tis', got 'tiss'",
+        ),
         ("ratio_clip_min", "0.2", "ratio_clip_min must be a float, got str '0.2'"),
         ("use_cispo", 1, "use_cispo must be a bool, got int 1"),
         ("kl_output_clamp_value", -1.0, "kl_output_clamp_value must be > 0 (or None), got -1.0"),
@@ -84,13 +106,23 @@ CROSS_FIELD = [
     (dict(use_cispo=True, disable_ppo_ratio=True), "use_cispo=True is incompatible with disable_ppo_ratio"),
     (dict(use_cispo=True, force_on_policy_ratio=True), "use_cispo=True is incompatible with force_on_policy_ratio"),
     (dict(use_cispo=True, ratio_clip_c=3.0), "use_cispo=True is incompatible with ratio_clip_c"),
-    (dict(sequence_level_importance_ratios=True),
-     "sequence_level_importance_ratios=True requires token_level_loss=False (GSPO is a sequence-level loss)"),
-    (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-          truncated_importance_sampling_ratio=1.0, truncated_importance_sampling_ratio_min=2.0),
-     "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio"),
-    (dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0),
-     "truncated_importance_sampling_type requires use_importance_sampling_correction=True"),
+    (
+        dict(sequence_level_importance_ratios=True),
+        "sequence_level_importance_ratios=True requires token_level_loss=False (GSPO is a sequence-level loss)",
+    ),
+    (
+        dict(
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="tis",
+            truncated_importance_sampling_ratio=1.0,
+            truncated_importance_sampling_ratio_min=2.0,
+        ),
+        "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio",
+    ),
+    (
+        dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0),
+        "truncated_importance_sampling_type requires use_importance_sampling_correction=True",
+    ),
     (dict(seq_logprob_error_in_loss=True), "seq_logprob_error_in_loss requires seq_logprob_error_threshold"),
 ]
 
@@ -115,35 +147,62 @@ def test_a_plain_dict_gets_both_kinds_of_check_at_loss_construction():
 
 
 BOUNDS = [
-    (ClippedPGLossConfig, dict(kl_input_clamp_value=89.0),
-     "kl_input_clamp_value must be <= log(float32 max) = 88.7228, got 89.0: the k3 estimator exponentiates the "
-     "clamped log-ratio, and exp of a larger value overflows float32 to inf"),
-    (ClippedPGLossConfig, dict(reference_policy_kl_penalty=2e6),
-     "reference_policy_kl_penalty=2000000.0 is outside [1e-06, 1e+06]: it scales the reference KL term, and float32 "
-     "squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range"),
-    (ClippedPGLossConfig, dict(truncated_importance_sampling_ratio_min=1e7),
-     "truncated_importance_sampling_ratio_min=10000000.0 is outside [1e-06, 1e+06]: it clamps the importance weights "
-     "that scale the gradient, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish "
-     "outside that range"),
-    (DPOLossConfig, dict(reference_policy_kl_penalty=1e-7),
-     "reference_policy_kl_penalty=1e-07 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares "
-     "of the gradient overflow (grad_norm inf, no update) or vanish outside that range"),
-    (MPOLossConfig, dict(reward_shift=1e39),
-     "reward_shift must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and the "
-     "model compute in), got 1e+39"),
-    (MPOLossConfig, dict(bco_loss_weight=1e-40),
-     "bco_loss_weight must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and "
-     "the model compute in), got 1e-40"),
-    (CrossTokenizerDistillationLossConfig, dict(temperature=2e6),
-     "temperature=2000000.0 is outside [1e-06, 1e+06]: the logits are scaled by 1/temperature and the KD term's "
-     "gradient by temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish "
-     "outside that range"),
-    (CrossTokenizerDistillationLossConfig, dict(teacher_weights=(1.0, 1e7)),
-     "teacher_weights[1]=10000000.0 is outside [1e-06, 1e+06]: it scales its teacher's KD term, and float32 squares of "
-     "the gradient overflow (grad_norm inf, no update) or vanish outside that range"),
-    (MseValueLossConfig, dict(scale=1e-7),
-     "scale=1e-07 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares of the gradient "
-     "overflow (grad_norm inf, no update) or vanish outside that range"),
+    (
+        ClippedPGLossConfig,
+        dict(kl_input_clamp_value=89.0),
+        "kl_input_clamp_value must be <= log(float32 max) = 88.7228, got 89.0: the k3 estimator exponentiates the "
+        "clamped log-ratio, and exp of a larger value overflows float32 to inf",
+    ),
+    (
+        ClippedPGLossConfig,
+        dict(reference_policy_kl_penalty=2e6),
+        "reference_policy_kl_penalty=2000000.0 is outside [1e-06, 1e+06]: it scales the reference KL term, and float32 "
+        "squares of the gradient overflow (grad_norm inf, no update) or vanish outside that range",
+    ),
+    (
+        ClippedPGLossConfig,
+        dict(truncated_importance_sampling_ratio_min=1e7),
+        "truncated_importance_sampling_ratio_min=10000000.0 is outside [1e-06, 1e+06]: it clamps the importance weights "
+        "that scale the gradient, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish "
+        "outside that range",
+    ),
+    (
+        DPOLossConfig,
+        dict(reference_policy_kl_penalty=1e-7),
+        "reference_policy_kl_penalty=1e-07 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares "
+        "of the gradient overflow (grad_norm inf, no update) or vanish outside that range",
+    ),
+    (
+        MPOLossConfig,
+        dict(reward_shift=1e39),
+        "reward_shift must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and the "
+        "model compute in), got 1e+39",
+    ),
+    (
+        MPOLossConfig,
+        dict(bco_loss_weight=1e-40),
+        "bco_loss_weight must be 0 or of magnitude in [1.1754944e-38, 3.4028235e+38] (float32, the dtype the losses and "
+        "the model compute in), got 1e-40",
+    ),
+    (
+        CrossTokenizerDistillationLossConfig,
+        dict(temperature=2e6),
+        "temperature=2000000.0 is outside [1e-06, 1e+06]: the logits are scaled by 1/temperature and the KD term's "
+        "gradient by temperature, and float32 squares of the gradient overflow (grad_norm inf, no update) or vanish "
+        "outside that range",
+    ),
+    (
+        CrossTokenizerDistillationLossConfig,
+        dict(teacher_weights=(1.0, 1e7)),
+        "teacher_weights[1]=10000000.0 is outside [1e-06, 1e+06]: it scales its teacher's KD term, and float32 squares of "
+        "the gradient overflow (grad_norm inf, no update) or vanish outside that range",
+    ),
+    (
+        MseValueLossConfig,
+        dict(scale=1e-7),
+        "scale=1e-07 is outside [1e-06, 1e+06]: it scales the loss's gradient, and float32 squares of the gradient "
+        "overflow (grad_norm inf, no update) or vanish outside that range",
+    ),
 ]
 
 

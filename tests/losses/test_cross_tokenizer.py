@@ -35,13 +35,16 @@ B, S, V_S, V_T, S_T = 4, 6, 7, 5, 12
 
 # teacher 0's projection [V_T, V_S]: rows 0 and 1 map exactly onto student token 2 (a
 # collision), row 2 puts 0.7 on token 4, row 4 0.65 on token 5 (exact only when relaxed)
-PROJECTION = torch.tensor([
-    [0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0],  # normalised to 1 on token 2
-    [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
-    [0.0, 0.0, 0.0, 0.0, 0.7, 0.3, 0.0],
-    [0.2, 0.2, 0.0, 0.2, 0.0, 0.2, 0.2],
-    [0.0, 0.0, 0.0, 0.0, 0.0, 0.65, 0.35],
-], dtype=F64)
+PROJECTION = torch.tensor(
+    [
+        [0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0],  # normalised to 1 on token 2
+        [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.7, 0.3, 0.0],
+        [0.2, 0.2, 0.0, 0.2, 0.0, 0.2, 0.2],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.65, 0.35],
+    ],
+    dtype=F64,
+)
 # the gold split by hand: (common teacher, common student, uncommon teacher, uncommon student)
 STRICT = ([0], [2], [1, 2, 3, 4], [0, 1, 3, 4, 5, 6])
 RELAXED = ([0, 2, 4], [2, 4, 5], [1, 3], [0, 1, 3, 6])
@@ -164,19 +167,27 @@ def _reference(logits, data, cfg: CrossTokenizerDistillationLossConfig, projecti
     else:
         scale = torch.tensor(1.0, dtype=F64)
         loss = cfg.kl_loss_weight * kd + cfg.ce_loss_scale * ce
-    metrics.update(loss=loss, kl_loss=kd, ce_loss=ce, kl_loss_scale=scale, accuracy=accuracy,
-                   num_valid_samples=data["sample_mask"].sum())
+    metrics.update(
+        loss=loss,
+        kl_loss=kd,
+        ce_loss=ce,
+        kl_loss_scale=scale,
+        accuracy=accuracy,
+        num_valid_samples=data["sample_mask"].sum(),
+    )
     return loss, metrics
 
 
 CASES = {
     "sum": dict(teacher_weights=(0.4, 1.5), kl_loss_weight=0.6, ce_loss_scale=0.8, temperature=2.0),
-    "gold_strict_dynamic_scaling": dict(teacher_weights=(0.4, 1.5), gold_loss=True, temperature=1.5,
-                                        dynamic_loss_scaling=True),
+    "gold_strict_dynamic_scaling": dict(
+        teacher_weights=(0.4, 1.5), gold_loss=True, temperature=1.5, dynamic_loss_scaling=True
+    ),
     "gold_xtoken": dict(teacher_weights=(1.0, 0.5), gold_loss=True, xtoken_loss=True),
     "weights_ce": dict(teacher_weights=(1.0, 1.0), sum_weights_metric="ce", alpha=2.0),
-    "weights_entropy_by_vocab": dict(teacher_weights=(1.0, 1.0), sum_weights_metric="entropy", alpha=0.5,
-                                     normalize_teacher_by_vocab=True),
+    "weights_entropy_by_vocab": dict(
+        teacher_weights=(1.0, 1.0), sum_weights_metric="entropy", alpha=0.5, normalize_teacher_by_vocab=True
+    ),
     "weights_max_prob": dict(teacher_weights=(1.0, 1.0), sum_weights_metric="max_prob", temperature=0.7),
     "select_teacher": dict(teacher_weights=(1.0, 1.0), kd_loss_mode="select_teacher", temperature=1.3),
     "averaged_logits": dict(teacher_weights=(0.3, 0.9), kd_loss_mode="averaged_logits", temperature=1.2),
@@ -198,8 +209,9 @@ def _setup(name: str, seed: int = 0):
 def test_value_metrics_and_gradient_match_the_reference_math(name):
     cfg, logits, data, projections, splits = _setup(name)
     loss_fn = CrossTokenizerDistillationLossFn(cfg, projections=projections)
-    got, metrics = wrap_loss_fn_with_input_preparation(logits, data, data["sample_mask"].sum(), _g_toks(data),
-                                                       loss_fn, prepare_loss_input)
+    got, metrics = wrap_loss_fn_with_input_preparation(
+        logits, data, data["sample_mask"].sum(), _g_toks(data), loss_fn, prepare_loss_input
+    )
     want, want_metrics = _reference(logits, data, cfg, projections, splits)
     assert sorted(metrics) == sorted(want_metrics) == sorted(loss_fn.metric_normalizations)
     for key in want_metrics:
@@ -214,8 +226,9 @@ def test_sum_gradient_in_closed_form():
     """`∂/∂z_t = m_t / G_t · [ce_scale·(softmax(z_t) - e_y) + kl_weight·Σ_i w_i·[a_i ≥ 0]·T·(softmax(z_t/T) - r_i)]`."""
     cfg, logits, data, projections, _ = _setup("sum")
     loss_fn = CrossTokenizerDistillationLossFn(cfg, projections=projections)
-    got, _ = wrap_loss_fn_with_input_preparation(logits, data, data["sample_mask"].sum(), _g_toks(data), loss_fn,
-                                                 prepare_loss_input)
+    got, _ = wrap_loss_fn_with_input_preparation(
+        logits, data, data["sample_mask"].sum(), _g_toks(data), loss_fn, prepare_loss_input
+    )
     (grad,) = torch.autograd.grad(got, logits)
     z, T = logits.detach()[:, :-1], cfg.temperature
     m = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
@@ -298,34 +311,61 @@ def test_pickle_and_deepcopy_give_identical_results():
 @pytest.mark.parametrize(
     ("cfg", "projections", "text"),
     [
-        (dict(xtoken_loss=True), None,
-         "xtoken_loss=True requires gold_loss=True; xtoken_loss relaxes the gold loss's exact token map"),
-        (dict(kd_loss_mode="select_teacher", sum_weights_metric="entropy"), None,
-         "sum_weights_metric='entropy' is only applied in kd_loss_mode='sum', not 'select_teacher'; unset one of them"),
-        (dict(kd_loss_mode="averaged_logits", normalize_teacher_by_vocab=True), None,
-         "normalize_teacher_by_vocab is only applied in kd_loss_mode='sum', not 'averaged_logits'; unset one of them"),
-        (dict(kd_loss_mode="averaged_logits", teacher_weights=[0.0, 0.0]), None,
-         "teacher_weights must not sum to zero in kd_loss_mode='averaged_logits' (they form a convex combination "
-         "of teacher logits); got teacher_weights=[0.0, 0.0]"),
-        (dict(teacher_weights=[1.0, 1.0]), [PROJECTION],
-         "per-teacher lists must be equal length, got {'teacher_weights': 2, 'projections': 1}"),
-        (dict(kd_loss_mode="averaged_logits", teacher_weights=[1.0, 1.0]), [None, PROJECTION],
-         "kd_loss_mode='averaged_logits' averages the teachers' logits, so every teacher must share the student's "
-         "vocabulary (projection None); teachers [1] have a projection"),
+        (
+            dict(xtoken_loss=True),
+            None,
+            "xtoken_loss=True requires gold_loss=True; xtoken_loss relaxes the gold loss's exact token map",
+        ),
+        (
+            dict(kd_loss_mode="select_teacher", sum_weights_metric="entropy"),
+            None,
+            "sum_weights_metric='entropy' is only applied in kd_loss_mode='sum', not 'select_teacher'; unset one of them",
+        ),
+        (
+            dict(kd_loss_mode="averaged_logits", normalize_teacher_by_vocab=True),
+            None,
+            "normalize_teacher_by_vocab is only applied in kd_loss_mode='sum', not 'averaged_logits'; unset one of them",
+        ),
+        (
+            dict(kd_loss_mode="averaged_logits", teacher_weights=[0.0, 0.0]),
+            None,
+            "teacher_weights must not sum to zero in kd_loss_mode='averaged_logits' (they form a convex combination "
+            "of teacher logits); got teacher_weights=[0.0, 0.0]",
+        ),
+        (
+            dict(teacher_weights=[1.0, 1.0]),
+            [PROJECTION],
+            "per-teacher lists must be equal length, got {'teacher_weights': 2, 'projections': 1}",
+        ),
+        (
+            dict(kd_loss_mode="averaged_logits", teacher_weights=[1.0, 1.0]),
+            [None, PROJECTION],
+            "kd_loss_mode='averaged_logits' averages the teachers' logits, so every teacher must share the student's "
+            "vocabulary (projection None); teachers [1] have a projection",
+        ),
         (dict(temperature=0.0), None, "temperature must be finite and > 0, got 0.0"),
         (dict(teacher_weights=[1.0, -0.5]), None, "teacher_weights[1] must be finite and >= 0, got -0.5"),
         (dict(teacher_weights=[1.0, "2"]), None, "teacher_weights[1] must be a float, got str '2'"),
         (dict(teacher_weights=[]), None, "teacher_weights must be a non-empty sequence of floats, got ()"),
         (dict(ce_loss_scale=math.nan), None, "ce_loss_scale must be finite, got nan"),
-        (dict(kd_loss_mode="mean"), None,
-         "kd_loss_mode must be one of 'sum', 'averaged_logits', 'select_teacher', got 'mean'"),
-        (dict(sum_weights_metric="loss"), None, "sum_weights_metric must be one of 'ce', 'entropy', 'max_prob', "
-                                                "got 'loss'"),
+        (
+            dict(kd_loss_mode="mean"),
+            None,
+            "kd_loss_mode must be one of 'sum', 'averaged_logits', 'select_teacher', got 'mean'",
+        ),
+        (
+            dict(sum_weights_metric="loss"),
+            None,
+            "sum_weights_metric must be one of 'ce', 'entropy', 'max_prob', got 'loss'",
+        ),
         (dict(dynamic_loss_scaling="yes"), None, "dynamic_loss_scaling must be a bool, got str 'yes'"),
-        (dict(vocab_topk=8), None,
-         "CrossTokenizerDistillationLossFn: unknown config keys ['vocab_topk']; valid keys: ['alpha', "
-         "'ce_loss_scale', 'dynamic_loss_scaling', 'gold_loss', 'kd_loss_mode', 'kl_loss_weight', "
-         "'normalize_teacher_by_vocab', 'sum_weights_metric', 'teacher_weights', 'temperature', 'xtoken_loss']"),
+        (
+            dict(vocab_topk=8),
+            None,
+            "CrossTokenizerDistillationLossFn: unknown config keys ['vocab_topk']; valid keys: ['alpha', "
+            "'ce_loss_scale', 'dynamic_loss_scaling', 'gold_loss', 'kd_loss_mode', 'kl_loss_weight', "
+            "'normalize_teacher_by_vocab', 'sum_weights_metric', 'teacher_weights', 'temperature', 'xtoken_loss']",
+        ),
     ],
 )
 def test_config_errors_name_the_field(cfg, projections, text):
@@ -345,10 +385,15 @@ def test_config_is_keyword_only_and_takes_a_hydra_list():
     [
         (PROJECTION[0], "ValueError: projections[0] must be a [V_t, V_s] matrix, got shape (7,)"),
         (-PROJECTION, "ValueError: projections[0] must hold finite, non-negative weights"),
-        (PROJECTION * torch.tensor([0.0, 1, 1, 1, 1], dtype=F64)[:, None],
-         "ValueError: projections[0]: every teacher token must map to some student token; rows [0] are empty"),
-        ([[1.0]], "TypeError: projections[0] must be a [V_t, V_s] tensor (dense or sparse COO) or a TokenProjection, "
-                  "got list"),
+        (
+            PROJECTION * torch.tensor([0.0, 1, 1, 1, 1], dtype=F64)[:, None],
+            "ValueError: projections[0]: every teacher token must map to some student token; rows [0] are empty",
+        ),
+        (
+            [[1.0]],
+            "TypeError: projections[0] must be a [V_t, V_s] tensor (dense or sparse COO) or a TokenProjection, "
+            "got list",
+        ),
     ],
 )
 def test_bad_projections_name_the_argument(projection, text):
@@ -365,29 +410,38 @@ def test_bad_inputs_name_the_argument():
 
     without = {k: v for k, v in data.items() if k != "teacher_1_alignment"}
     assert message(call, without).startswith(
-        "ValueError: prepare_loss_input: data is missing key 'teacher_1_alignment'")
+        "ValueError: prepare_loss_input: data is missing key 'teacher_1_alignment'"
+    )
     assert message(call, data, logits[:, :-1]) == (
         "ValueError: CrossTokenizerDistillationLossFn: logits must be [B, S, V_s] with [B, S] = (4, 6) (input_ids), "
-        "got (4, 5, 7)")
+        "got (4, 5, 7)"
+    )
     assert message(call, {**data, "teacher_0_logits": data["teacher_0_logits"][..., :4]}) == (
         "ValueError: CrossTokenizerDistillationLossFn: teacher_full_logits_by_idx[0] must be [B, S_t, V_t] with "
-        "B = 4, V_t = 5, got (4, 12, 4)")
+        "B = 4, V_t = 5, got (4, 12, 4)"
+    )
     assert message(call, {**data, "teacher_1_alignment": data["teacher_1_alignment"][:, :-1]}) == (
-        "ValueError: CrossTokenizerDistillationLossFn: aligns_by_idx[1] ([B, S]) must have shape (4, 6), got (4, 5)")
+        "ValueError: CrossTokenizerDistillationLossFn: aligns_by_idx[1] ([B, S]) must have shape (4, 6), got (4, 5)"
+    )
     assert message(call, {**data, "teacher_1_alignment": data["teacher_1_alignment"].double()}) == (
-        "ValueError: CrossTokenizerDistillationLossFn: aligns_by_idx[1] must be an integer tensor, got torch.float64")
+        "ValueError: CrossTokenizerDistillationLossFn: aligns_by_idx[1] must be an integer tensor, got torch.float64"
+    )
     assert message(call, {**data, "teacher_0_alignment": data["teacher_0_alignment"] + 2}) == (
         "ValueError: CrossTokenizerDistillationLossFn: aligns_by_idx[0] must hold teacher positions in [-1, 12) "
-        "(-1: no aligned position)")
+        "(-1: no aligned position)"
+    )
     assert message(loss_fn, logits, {0: data["teacher_0_logits"]}, {0: data["teacher_0_alignment"]}, data, *args) == (
-        "ValueError: CrossTokenizerDistillationLossFn: teacher_full_logits_by_idx must hold teachers [0, 1], got [0]")
+        "ValueError: CrossTokenizerDistillationLossFn: teacher_full_logits_by_idx must hold teachers [0, 1], got [0]"
+    )
     wide = CrossTokenizerDistillationLossFn(cfg, projections=(torch.ones(V_T, V_S + 1), None))
     assert message(wrap_loss_fn_with_input_preparation, logits, data, *args, wide, prepare_loss_input) == (
-        "ValueError: CrossTokenizerDistillationLossFn: projections[0] maps onto 8 student tokens, the logits have 7")
+        "ValueError: CrossTokenizerDistillationLossFn: projections[0] maps onto 8 student tokens, the logits have 7"
+    )
     linear = LinearLogits(torch.randn(B, S, 3, dtype=F64), torch.randn(V_S, 3, dtype=F64))
     assert message(call, data, linear) == (
         "ValueError: prepare_loss_input: CrossTokenizerDistillationLossFn reads the student's full distributions; "
-        "pass the logits tensor, not LinearLogits")
+        "pass the logits tensor, not LinearLogits"
+    )
 
 
 def test_align_tokenizations():
@@ -396,7 +450,8 @@ def test_align_tokenizations():
     teacher = [[1, 1, 2, 1, 2, 0], [0, 1, 1, 1]]
     assert align_tokenizations(student, teacher, 5).tolist() == [[0, 2, -1, 5, -1], [1, 3, -1, -1, -1]]
     assert message(align_tokenizations, student, teacher[:1], 5) == (
-        "ValueError: align_tokenizations: student_lengths has 2 rows, teacher_lengths 1")
+        "ValueError: align_tokenizations: student_lengths has 2 rows, teacher_lengths 1"
+    )
 
 
 def test_the_demo_digit_teacher():
@@ -411,17 +466,28 @@ def test_the_demo_digit_teacher():
     assert teacher_ids[0, :8].tolist() == [1, digit + 7, space, digit + 4, digit + 2, space, 2, 0]
     assert alignment.tolist() == [[0, 2, 5, 6, -1]]
     sampled, _ = demo.tokenize(torch.tensor([[1, 3 + 1234, 2]]), torch.tensor([3]), compose_config())
-    assert sampled[0, :7].tolist() == [1, digit + 1, digit + 2, digit + 3, digit + 4, space, 2]  # past the task's values
+    assert sampled[0, :7].tolist() == [
+        1,
+        digit + 1,
+        digit + 2,
+        digit + 3,
+        digit + 4,
+        space,
+        2,
+    ]  # past the task's values
     projection = demo.teacher_projection(64, 70)
     torch.testing.assert_close(projection.sum(-1), torch.ones(demo.TEACHER_VOCAB_SIZE))
     assert projection[digit + 6].nonzero().flatten().tolist() == [3 + 6] + [3 + v for v in range(60, 64)]
 
-    cfg = compose_config("loss=cross_tokenizer", "loss.gold_loss=true", "model.vocab_size=80", "data.prompts=2",
-                         "data.response_max=12")
+    cfg = compose_config(
+        "loss=cross_tokenizer", "loss.gold_loss=true", "model.vocab_size=80", "data.prompts=2", "data.response_max=12"
+    )
     assert loss_family(cfg.loss) == "cross_tokenizer"
     loss_fn = demo.build_cross_tokenizer_loss(cfg)
-    assert [t.tolist() for t in loss_fn._splits[0][:2]] == [[0, 1, 2, digit, digit + 7, digit + 8, digit + 9],
-                                                            [0, 1, 2, 3, 10, 11, 12]]
+    assert [t.tolist() for t in loss_fn._splits[0][:2]] == [
+        [0, 1, 2, digit, digit + 7, digit + 8, digit + 9],
+        [0, 1, 2, 3, 10, 11, 12],
+    ]
     torch.manual_seed(0)
     batch = sample_batch(cfg.data, cfg.model.vocab_size, random.Random(0))
     data = demo.annotate(batch, loss_fn, demo.teacher_models(cfg), cfg)
@@ -437,4 +503,3 @@ def test_the_demo_digit_teacher():
     torch.testing.assert_close(got, want)
     for key in want_metrics:
         torch.testing.assert_close(got_metrics[key], want_metrics[key], msg=key)
-

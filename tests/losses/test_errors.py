@@ -25,14 +25,18 @@ class TestShapesAndKeys(TestCase):
         data = {k: v for k, v in self.data.items() if k != "generation_logprobs"}
         lp = torch.zeros(2, self.width - 1)
         self.assertExpectedInline(
-            message(GRPO.make_loss(), next_token_logprobs=lp, data=data, global_valid_seqs=None, global_valid_toks=None),
+            message(
+                GRPO.make_loss(), next_token_logprobs=lp, data=data, global_valid_seqs=None, global_valid_toks=None
+            ),
             """ValueError: ClippedPGLossFn: data is missing key 'generation_logprobs' (present: ['advantages', 'input_ids', 'prev_logprobs', 'reference_policy_logprobs', 'returns', 'rewards', 'sample_mask', 'teacher_topk_indices', 'teacher_topk_logits', 'token_mask', 'values'])""",
         )
 
     def test_logprob_shape_mismatch(self):
         lp = torch.zeros(2, self.width)
         self.assertExpectedInline(
-            message(GRPO.make_loss(), next_token_logprobs=lp, data=self.data, global_valid_seqs=None, global_valid_toks=None),
+            message(
+                GRPO.make_loss(), next_token_logprobs=lp, data=self.data, global_valid_seqs=None, global_valid_toks=None
+            ),
             """ValueError: ClippedPGLossFn: next_token_logprobs ([B, S-1]) must have shape (2, 4), got (2, 5)""",
         )
 
@@ -49,8 +53,11 @@ class TestShapesAndKeys(TestCase):
         )
 
     def test_topk_must_be_positive(self):
-        data = {**self.data, "teacher_topk_logits": torch.zeros(2, 5, 0),
-                "teacher_topk_indices": torch.zeros(2, 5, 0, dtype=torch.long)}
+        data = {
+            **self.data,
+            "teacher_topk_logits": torch.zeros(2, 5, 0),
+            "teacher_topk_indices": torch.zeros(2, 5, 0, dtype=torch.long),
+        }
         loss_fn = DistillationLossFn({"zero_outside_topk": True})
         self.assertExpectedInline(
             message(prepare_loss_input, self.logits, data, loss_fn),
@@ -61,12 +68,15 @@ class TestShapesAndKeys(TestCase):
 class TestConfigs(TestCase):
     def test_tis_min_above_max(self):
         self.assertExpectedInline(
-            message(ClippedPGLossFn, {
-                "use_importance_sampling_correction": True,
-                "truncated_importance_sampling_type": "icepop",
-                "truncated_importance_sampling_ratio": 1.0,
-                "truncated_importance_sampling_ratio_min": 2.0,
-            }),
+            message(
+                ClippedPGLossFn,
+                {
+                    "use_importance_sampling_correction": True,
+                    "truncated_importance_sampling_type": "icepop",
+                    "truncated_importance_sampling_ratio": 1.0,
+                    "truncated_importance_sampling_ratio_min": 2.0,
+                },
+            ),
             """ConfigError: truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio""",
         )
 

@@ -47,11 +47,16 @@ LOSSES = {
 def test_degenerate_shapes_give_zero_loss_and_sentinels(name, rows, width):
     loss_fn, logit_width = LOSSES[name]
     data = {
-        "input_ids": torch.zeros(rows, width, dtype=torch.long), "token_mask": torch.ones(rows, width),
-        "sample_mask": torch.ones(rows), "advantages": torch.ones(rows, width),
-        "prev_logprobs": torch.zeros(rows, width), "generation_logprobs": torch.zeros(rows, width),
-        "reference_policy_logprobs": torch.zeros(rows, width), "returns": torch.zeros(rows, width),
-        "values": torch.zeros(rows, width), "teacher_topk_logits": torch.zeros(rows, width, 2),
+        "input_ids": torch.zeros(rows, width, dtype=torch.long),
+        "token_mask": torch.ones(rows, width),
+        "sample_mask": torch.ones(rows),
+        "advantages": torch.ones(rows, width),
+        "prev_logprobs": torch.zeros(rows, width),
+        "generation_logprobs": torch.zeros(rows, width),
+        "reference_policy_logprobs": torch.zeros(rows, width),
+        "returns": torch.zeros(rows, width),
+        "values": torch.zeros(rows, width),
+        "teacher_topk_logits": torch.zeros(rows, width, 2),
         "teacher_topk_indices": torch.zeros(rows, width, 2, dtype=torch.long),
     }
     logits = torch.zeros(rows, width, logit_width, requires_grad=True)

@@ -48,8 +48,9 @@ def _batch(rows: int = 4, width: int = 6, seed: int = 0) -> tuple[torch.Tensor, 
 
 def _expected(lp, data, cfg: dict, average=(False, False, False)):
     """(loss, metrics, dloss/dlp) from the formulas, float64, rows interleaved (c, r)."""
-    beta, w_pref, w_sft, w_bco = (cfg[k] for k in ("reference_policy_kl_penalty", "preference_loss_weight",
-                                                   "sft_loss_weight", "bco_loss_weight"))
+    beta, w_pref, w_sft, w_bco = (
+        cfg[k] for k in ("reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight", "bco_loss_weight")
+    )
     pref_avg, sft_avg, quality_avg = average
     lp = lp.detach()
     tm, sm, ref = data["token_mask"][:, 1:], data["sample_mask"], data["reference_policy_logprobs"][:, :-1]
@@ -73,7 +74,10 @@ def _expected(lp, data, cfg: dict, average=(False, False, False)):
     bco = bco_c.sum() / gp + bco_r.sum() / gp
     loss = w_pref * pref + w_sft * sft + w_bco * bco
     metrics = {
-        "loss": loss, "sft_loss": sft, "preference_loss": pref, "bco_loss": bco,
+        "loss": loss,
+        "sft_loss": sft,
+        "preference_loss": pref,
+        "bco_loss": bco,
         "accuracy": ((r[c] > r[j]).to(F64) * smp).sum() / gp,
         "rewards_chosen_mean": (r[c] * smc).sum() / gp,
         "rewards_rejected_mean": (r[j] * smr).sum() / gp,
@@ -108,12 +112,19 @@ def _assert_metrics(got: dict, want: dict, **tol):
         torch.testing.assert_close(got[key].to(F64), want[key].to(F64), msg=key, **tol)
 
 
-@pytest.mark.parametrize("average", [(False, False, False), (True, True, False), (False, True, True)],
-                         ids=["sums", "pref_sft_averaged", "sft_quality_averaged"])
+@pytest.mark.parametrize(
+    "average",
+    [(False, False, False), (True, True, False), (False, True, True)],
+    ids=["sums", "pref_sft_averaged", "sft_quality_averaged"],
+)
 def test_value_metrics_and_gradient_match_the_formulas(average):
     lp, data = _batch()
-    cfg = {**CFG, "preference_average_log_probs": average[0], "sft_average_log_probs": average[1],
-           "quality_average_log_probs": average[2]}
+    cfg = {
+        **CFG,
+        "preference_average_log_probs": average[0],
+        "sft_average_log_probs": average[1],
+        "quality_average_log_probs": average[2],
+    }
     loss, metrics = MPOLossFn(cfg)(lp, data, *_globals(data))
     want, want_metrics, want_grad = _expected(lp, data, CFG, average)
     torch.testing.assert_close(loss, want)
@@ -223,10 +234,13 @@ def test_the_driver_ema_over_micro_batches():
         (dict(reference_policy_kl_penalty=math.nan), "reference_policy_kl_penalty must be finite, got nan"),
         (dict(reward_shift=math.inf), "reward_shift must be finite, got inf"),
         (dict(quality_average_log_probs=1), "quality_average_log_probs must be a bool, got int 1"),
-        (dict(reward_shift_mom=0.9), "MPOLossFn: unknown config keys ['reward_shift_mom']; valid keys: "
-                                     "['bco_loss_weight', 'preference_average_log_probs', 'preference_loss_weight', "
-                                     "'quality_average_log_probs', 'reference_policy_kl_penalty', 'reward_shift', "
-                                     "'reward_shift_momentum', 'sft_average_log_probs', 'sft_loss_weight']"),
+        (
+            dict(reward_shift_mom=0.9),
+            "MPOLossFn: unknown config keys ['reward_shift_mom']; valid keys: "
+            "['bco_loss_weight', 'preference_average_log_probs', 'preference_loss_weight', "
+            "'quality_average_log_probs', 'reference_policy_kl_penalty', 'reward_shift', "
+            "'reward_shift_momentum', 'sft_average_log_probs', 'sft_loss_weight']",
+        ),
     ],
 )
 def test_config_errors_name_the_field(cfg, text):
@@ -267,4 +281,3 @@ def test_hydra_option():
     cfg = compose_config("loss=mpo", "loss.bco_loss_weight=0.5", "loss.reward_shift_momentum=0.9")
     assert loss_family(cfg.loss) == "dpo"
     assert build_loss(cfg.loss).cfg == MPOLossConfig(bco_loss_weight=0.5, reward_shift_momentum=0.9)
-

@@ -63,8 +63,7 @@ def _per_token(logits, teacher_logits):
 @pytest.mark.parametrize("token_level", [True, False])
 def test_reverse_kl_value_gradient_and_metrics(token_level):
     data, logits = _batch()
-    loss_fn = ClippedPGLossFn({**OPD, "token_level_loss": token_level},
-                              opd_full={"validate_decomposition": True})
+    loss_fn = ClippedPGLossFn({**OPD, "token_level_loss": token_level}, opd_full={"validate_decomposition": True})
     assert loss_fn.input_type == LossInputType.OPD_FULL
     loss, metrics = _run(loss_fn, logits, data)
     kl, ent, ce = _per_token(logits, data[OPD_FULL_TEACHER_PAYLOAD_FIELD])
@@ -95,10 +94,14 @@ def test_reverse_kl_value_gradient_and_metrics(token_level):
     assert set(metrics) == set(expected) | {"loss", "opd_full_decomposition_error"}
     grad_norm = "TOKENS" if token_level else "SEQUENCES"
     assert loss_fn.metric_normalizations == {
-        "loss": MetricNormalizer[grad_norm], "kl_penalty": MetricNormalizer[grad_norm],
-        "num_valid_samples": MetricNormalizer.NONE, "opd_full_reverse_kl": MetricNormalizer.TOKENS,
-        "opd_full_reverse_kl_min": MetricNormalizer.NONE, "opd_full_reverse_kl_max": MetricNormalizer.NONE,
-        "opd_full_entropy": MetricNormalizer.TOKENS, "opd_full_cross_entropy": MetricNormalizer.TOKENS,
+        "loss": MetricNormalizer[grad_norm],
+        "kl_penalty": MetricNormalizer[grad_norm],
+        "num_valid_samples": MetricNormalizer.NONE,
+        "opd_full_reverse_kl": MetricNormalizer.TOKENS,
+        "opd_full_reverse_kl_min": MetricNormalizer.NONE,
+        "opd_full_reverse_kl_max": MetricNormalizer.NONE,
+        "opd_full_entropy": MetricNormalizer.TOKENS,
+        "opd_full_cross_entropy": MetricNormalizer.TOKENS,
         "opd_full_decomposition_error": MetricNormalizer.NONE,
     }
 
@@ -158,11 +161,18 @@ def test_compiled_one_graph_same_values():
     torch.testing.assert_close(torch.autograd.grad(got, logits)[0], torch.autograd.grad(want, logits)[0])
 
 
-@pytest.mark.parametrize("field,value", [
-    ("disable_ppo_ratio", False), ("ratio_clip_c", 3.0), ("force_on_policy_ratio", True),
-    ("use_on_policy_kl_approximation", True), ("use_importance_sampling_correction", True),
-    ("positive_example_nll_weight", 0.5), ("use_kl_in_reward", True),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("disable_ppo_ratio", False),
+        ("ratio_clip_c", 3.0),
+        ("force_on_policy_ratio", True),
+        ("use_on_policy_kl_approximation", True),
+        ("use_importance_sampling_correction", True),
+        ("positive_example_nll_weight", 0.5),
+        ("use_kl_in_reward", True),
+    ],
+)
 def test_refused_policy_gradient_options(field, value):
     cfg = {**OPD, field: value}
     with pytest.raises(ConfigError, match="opd_full"):
@@ -208,7 +218,12 @@ def test_pre_packed_batch_is_one_row():
     ids = torch.randint(0, V, (1, 12), generator=g)
     token_mask = torch.ones(1, 12)
     token_mask[0, [0, 5, 6]] = 0.0  # sequence 0 is [0, 6): its last token predicts nothing
-    data = {"input_ids": ids, "token_mask": token_mask, "sample_mask": torch.ones(1), "cu_seqlens": torch.tensor([0, 6, 12])}
+    data = {
+        "input_ids": ids,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(1),
+        "cu_seqlens": torch.tensor([0, 6, 12]),
+    }
     logits = torch.randn(1, 12, V, generator=g)
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.0})
     packed, _ = prepare_packed_loss_input(logits, data, loss_fn, None)
@@ -226,6 +241,11 @@ def _short_payload_under_context_parallelism(rank: int, world: int):
 def test_a_payload_short_of_the_batch_is_refused_under_context_parallelism():
     """Every rank, before any collective: the payload must cover the batch's S positions (not
     only the S_local · cp the ranks hold)."""
-    assert run_on_ranks(_short_payload_under_context_parallelism, timeout=60) == [
-        "ValueError: prepare_loss_input: data['opd_full_teacher_payload'] must have shape [B, S, D] with [B, S] = "
-        "(3, 7) (one entry per position of data['input_ids']), got (3, 6, 11)"] * 2
+    assert (
+        run_on_ranks(_short_payload_under_context_parallelism, timeout=60)
+        == [
+            "ValueError: prepare_loss_input: data['opd_full_teacher_payload'] must have shape [B, S, D] with [B, S] = "
+            "(3, 7) (one entry per position of data['input_ids']), got (3, 6, 11)"
+        ]
+        * 2
+    )

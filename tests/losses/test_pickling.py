@@ -38,8 +38,9 @@ def _wrappers(case):
     cu, cup = boundaries(LENGTHS, PADS)
     loss_fn = case.make_loss()
     return {
-        "unpacked": functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
-                                      prepare_fn=case.prepare(packed=False)),
+        "unpacked": functools.partial(
+            wrap_loss_fn_with_input_preparation, loss_fn=loss_fn, prepare_fn=case.prepare(packed=False)
+        ),
         "per_sequence": SequencePackingLossWrapper(loss_fn, case.prepare(packed=False), cu, cup),
         "fused": SequencePackingFusionLossWrapper(loss_fn, case.prepare(packed=True), cu, cup),
     }
@@ -83,14 +84,22 @@ def test_draft_wrappers_round_trip():
     cu, cup = boundaries(LENGTHS, PADS)
     d2t = torch.tensor([0, 1, 1, 3, 5, 5, 6, 8])
     student = torch.randn(len(LENGTHS), WIDTH, len(d2t))
-    policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=case.make_loss(),
-                               prepare_fn=prepare_loss_input)
+    policy = functools.partial(
+        wrap_loss_fn_with_input_preparation, loss_fn=case.make_loss(), prepare_fn=prepare_loss_input
+    )
     unpacked = DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=d2t), None, 0.3)
     packed_policy = SequencePackingFusionLossWrapper(case.make_loss(), case.prepare(packed=True), cu, cup)
-    packed = DraftLossWrapper(packed_policy, None, None, 0.3, cu_seqlens_q=cu, cu_seqlens_q_padded=cup, d2t=d2t,
-                              student_logits=pack_logits(student, cu, cup, cup[-1], seed=4).detach())
-    for which, wrapper, batch in (("unpacked", unpacked, {**data, "student_logits": student}),
-                                  ("fused", packed, data)):
+    packed = DraftLossWrapper(
+        packed_policy,
+        None,
+        None,
+        0.3,
+        cu_seqlens_q=cu,
+        cu_seqlens_q_padded=cup,
+        d2t=d2t,
+        student_logits=pack_logits(student, cu, cup, cup[-1], seed=4).detach(),
+    )
+    for which, wrapper, batch in (("unpacked", unpacked, {**data, "student_logits": student}), ("fused", packed, data)):
         want = _call(which, wrapper, logits, batch)
         for copied in _round_trips(wrapper):
             _assert_same(_call(which, copied, logits, batch), want)
@@ -116,8 +125,12 @@ def test_enable_torch_compile_compiles_lazily_and_never_pickles_the_compiled_fun
     torch._dynamo.reset()
     case = next(c for c in CASES if c.name == "grpo")
     data, logits = make_batch(case, LENGTHS, WIDTH, seed=5)
-    want = _call("unpacked", _wrappers(dataclasses.replace(case, make_loss=lambda: _self_compiling(False)))[
-        "unpacked"], logits, data)
+    want = _call(
+        "unpacked",
+        _wrappers(dataclasses.replace(case, make_loss=lambda: _self_compiling(False)))["unpacked"],
+        logits,
+        data,
+    )
     loss_fn = _self_compiling(True)
     wrapper = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn, prepare_fn=prepare_loss_input)
     assert not compiles  # nothing compiles before the first call
@@ -130,8 +143,12 @@ def test_enable_torch_compile_compiles_lazily_and_never_pickles_the_compiled_fun
     blob = pickle.dumps(loss_fn)  # a compiled function does not pickle: it is left out
     copied = pickle.loads(blob)
     assert copied == loss_fn and copied._compiled is None and copy.deepcopy(loss_fn)._compiled is None
-    again = _call("unpacked", functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=copied,
-                                                prepare_fn=prepare_loss_input), logits, data)
+    again = _call(
+        "unpacked",
+        functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=copied, prepare_fn=prepare_loss_input),
+        logits,
+        data,
+    )
     assert len(compiles) == 2
     torch.testing.assert_close(again[0], want[0])
 
@@ -165,8 +182,11 @@ def test_minimal_metrics_level(name, mode):
         if cfg.truncated_importance_sampling_ratio is not None:
             keep.add("is_oob_ratio")
         if cfg.seq_logprob_error_in_loss:
-            keep |= {"seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs",
-                     "num_masked_seqs_by_logprob_error"}
+            keep |= {
+                "seq_logprob_error_valid_tokens",
+                "seq_logprob_error_valid_seqs",
+                "num_masked_seqs_by_logprob_error",
+            }
     assert set(metrics_m) == keep
     for key in keep:
         assert torch.equal(metrics_m[key], metrics_f[key]), key
@@ -195,9 +215,18 @@ def test_other_public_objects_round_trip():
     from compiled_loss.packing import BucketGrid, PackedLayout
     from compiled_loss.vocab import DraftVocab
 
-    for obj in (DistillationLossConfig(kl_type="reverse"), DPOLossConfig(sft_loss_weight=0.5), MseValueLossConfig(),
-                OPDFullConfig(chunk_size=4), TrainingSamplingParams(top_k=4, top_p=0.9), BucketGrid(tokens=64),
-                Eagle3Config(), DFlashConfig(), PreferenceLossFn(), DraftCrossEntropyLossFn(token_chunk_size=3)):
+    for obj in (
+        DistillationLossConfig(kl_type="reverse"),
+        DPOLossConfig(sft_loss_weight=0.5),
+        MseValueLossConfig(),
+        OPDFullConfig(chunk_size=4),
+        TrainingSamplingParams(top_k=4, top_p=0.9),
+        BucketGrid(tokens=64),
+        Eagle3Config(),
+        DFlashConfig(),
+        PreferenceLossFn(),
+        DraftCrossEntropyLossFn(token_chunk_size=3),
+    ):
         assert all(copied == obj for copied in _round_trips(obj)), obj
     g = torch.Generator().manual_seed(9)
     teacher, student = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)

@@ -30,8 +30,12 @@ def _data(fill: float | None) -> tuple[torch.Tensor, dict]:
     token_mask = torch.ones(ROWS, WIDTH, dtype=F64)
     token_mask[:, 0] = 0
     token_mask[0, -1] = 0
-    data = {"token_mask": token_mask, "sample_mask": SAMPLE_MASK, "reference_policy_logprobs": ref,
-            "reward_shift": torch.full((ROWS,), 0.1, dtype=F64)}
+    data = {
+        "token_mask": token_mask,
+        "sample_mask": SAMPLE_MASK,
+        "reference_policy_logprobs": ref,
+        "reward_shift": torch.full((ROWS,), 0.1, dtype=F64),
+    }
     return lp.requires_grad_(), data
 
 

@@ -28,7 +28,9 @@ def _named(data: dict, order: list[int]) -> dict:
 
 def _dpo(data, logits):
     gs, gt = globals_for(data)
-    return wrap_loss_fn_with_input_preparation(logits, data, gs, gt, loss_fn=DPO.make_loss(), prepare_fn=DPO.prepare(False))
+    return wrap_loss_fn_with_input_preparation(
+        logits, data, gs, gt, loss_fn=DPO.make_loss(), prepare_fn=DPO.prepare(False)
+    )
 
 
 def test_dpo_rows_in_any_order_give_the_interleaved_result():
@@ -86,7 +88,11 @@ def test_a_naming_that_is_not_one_chosen_and_one_rejected_per_pair_is_refused():
 def test_an_odd_number_of_real_rows_is_refused_before_bucket_padding():
     cu, cup = boundaries([4, 5, 3], [0, 0, 0])
     assert message(
-        SequencePackingFusionLossWrapper, DPO.make_loss(), prepare_packed_loss_input, cu, cup,
+        SequencePackingFusionLossWrapper,
+        DPO.make_loss(),
+        prepare_packed_loss_input,
+        cu,
+        cup,
         bucket=BucketGrid(rows=4),
     ) == (
         "ValueError: SequencePackingFusionLossWrapper: DPOLossFn reads (chosen, rejected) row pairs, but the "

@@ -93,7 +93,8 @@ def _reaching_tests() -> set[str]:
     """Module-level test functions of `ref` that reach a PATCHED name, directly or through
     the module's own helper functions."""
     functions = {
-        name: value for name, value in vars(ref).items()
+        name: value
+        for name, value in vars(ref).items()
         if isinstance(value, types.FunctionType) and value.__module__ == ref.__name__
     }
     reads = {name: _names(fn.__code__) for name, fn in functions.items()}
@@ -111,8 +112,11 @@ def _reaching_tests() -> set[str]:
 
 
 def test_reexports_cover_every_logits_test(fused_logits):
-    here = {name for name, value in globals().items() if name.startswith("test_") and getattr(value, "__module__",
-                                                                                               None) == ref.__name__}
+    here = {
+        name
+        for name, value in globals().items()
+        if name.startswith("test_") and getattr(value, "__module__", None) == ref.__name__
+    }
     assert here == _reaching_tests()
     for name in here:  # the same function objects, marks (parametrizations) included
         assert globals()[name] is getattr(ref, name)

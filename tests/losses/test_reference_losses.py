@@ -277,8 +277,9 @@ def test_calculate_kl_rejects_unknown_type():
 def test_calculate_kl_detaches_importance_sampling_when_input_clamped():
     lp = leaf([-3.0, -1.0])
     w = torch.exp(lp - lp.detach())
-    kl = calculate_kl(lp, torch.zeros(2), "k3", input_clamp_value=2.0, output_clamp_value=None,
-                      importance_sampling_weights=w)
+    kl = calculate_kl(
+        lp, torch.zeros(2), "k3", input_clamp_value=2.0, output_clamp_value=None, importance_sampling_weights=w
+    )
     assert_close(kl, torch.tensor([4.389056, 0.7182818]))
     kl.sum().backward()
     assert_close(lp.grad, torch.tensor([0.0, -1.0]))
@@ -335,8 +336,9 @@ def test_clipped_pg_loss_kl_gradient_includes_sampling_term(on_policy):
     grads = []
     for b in (beta, 0.0):
         lp = leaf([curr])
-        loss, _ = run_pg(cfg(reference_policy_kl_penalty=b, use_on_policy_kl_approximation=on_policy),
-                         lp, data, g_toks=2.0)
+        loss, _ = run_pg(
+            cfg(reference_policy_kl_penalty=b, use_on_policy_kl_approximation=on_policy), lp, data, g_toks=2.0
+        )
         loss.backward()
         grads.append(lp.grad[0])
     logr = t(ref) - t(curr)
@@ -351,7 +353,8 @@ def test_clipped_pg_loss_on_policy_kl_importance_sampling():
     data = pg_data(adv=PPO_ADV, prev=PPO_PREV, gen=PPO_GEN, ref=[-1.0] * 3)
     loss, m = run_pg(
         cfg(use_on_policy_kl_approximation=True, use_importance_sampling_correction=True),
-        leaf([PPO_CURR]), data,
+        leaf([PPO_CURR]),
+        data,
     )
     adv, curr, prev, gen = t(PPO_ADV), t(PPO_CURR), t(PPO_PREV), t(PPO_GEN)
     w = torch.exp(prev - gen)
@@ -369,13 +372,15 @@ def test_clipped_pg_loss_on_policy_kl_importance_sampling_with_beta():
     data = pg_data(adv=PPO_ADV, prev=PPO_PREV, gen=PPO_GEN, ref=ref)
     lp = leaf([PPO_CURR])
     loss, m = run_pg(
-        cfg(reference_policy_kl_penalty=beta, use_on_policy_kl_approximation=True,
-            use_importance_sampling_correction=True),
-        lp, data,
+        cfg(
+            reference_policy_kl_penalty=beta,
+            use_on_policy_kl_approximation=True,
+            use_importance_sampling_correction=True,
+        ),
+        lp,
+        data,
     )
-    actor = (
-        math.exp(-0.5) * -0.5 + math.exp(0.5) * 1.0 + math.exp(-0.2) * -2.4
-    ) / 3  # w_IS · max(-A r, -A r_c)
+    actor = (math.exp(-0.5) * -0.5 + math.exp(0.5) * 1.0 + math.exp(-0.2) * -2.4) / 3  # w_IS · max(-A r, -A r_c)
     kl_terms = []
     for c, g, rf in zip(PPO_CURR, PPO_GEN, ref):
         logr = rf - c
@@ -530,12 +535,14 @@ def test_tis_ratio_without_type_behaves_as_tis():
 def test_clipped_pg_loss_rejects_tis_min_above_max(tis_type):
     msg = "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio"
     with pytest.raises(ValueError, match=re.escape(msg)):
-        ClippedPGLossFn(cfg(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type=tis_type,
-            truncated_importance_sampling_ratio=1.0,
-            truncated_importance_sampling_ratio_min=2.0,
-        ))
+        ClippedPGLossFn(
+            cfg(
+                use_importance_sampling_correction=True,
+                truncated_importance_sampling_type=tis_type,
+                truncated_importance_sampling_ratio=1.0,
+                truncated_importance_sampling_ratio_min=2.0,
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -779,8 +786,7 @@ def test_dpo_preference_average_and_pre_rolled_reference():
     assert_close(loss, t(math.log(2.0)))
     assert (m["rewards_chosen_mean"], m["rewards_rejected_mean"]) == pytest.approx((-ln_v, -ln_v))
     # the reference log-probs are pre-rolled by the driver: entry t scores token t+1
-    data["reference_policy_logprobs"] = torch.tensor([[-1.0, -2.0, -3.0, -4.0],
-                                                      [-5.0, -6.0, -7.0, -8.0]])
+    data["reference_policy_logprobs"] = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [-5.0, -6.0, -7.0, -8.0]])
     loss, m = _run_dpo({**base, "preference_average_log_probs": False}, logits, data)
     chosen = (-ln_v + 2.0) + (-ln_v + 3.0)  # next-token positions 1, 2 → ref[:, 1], ref[:, 2]
     rejected = -ln_v + 7.0  # position 2 → ref[1, 2]
@@ -812,9 +818,7 @@ def test_dpo_loss_varying_sequence_lengths(average):
         sft = sum(c * ln_v for c in chosen) / len(chosen)
     assert m["sft_loss"] == pytest.approx(sft, rel=1e-5)
     rewards = [-c * ln_v for c in counts]
-    pref = sum(
-        -math.log(1.0 / (1.0 + math.exp(-0.1 * (rewards[i] - rewards[i + 1])))) for i in (0, 2)
-    ) / 2
+    pref = sum(-math.log(1.0 / (1.0 + math.exp(-0.1 * (rewards[i] - rewards[i + 1])))) for i in (0, 2)) / 2
     assert m["preference_loss"] == pytest.approx(pref, rel=1e-5)
     assert m["accuracy"] == 1.0
     assert m["rewards_chosen_mean"] == pytest.approx((rewards[0] + rewards[2]) / 2, rel=1e-5)
@@ -827,13 +831,10 @@ def test_dpo_sft_matches_nll_loss():
     g = torch.Generator().manual_seed(0)
     rows, width, vocab = 4, 5, 11
     logits = torch.randn(rows, width, vocab, generator=g)
-    token_mask = torch.tensor(
-        [[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.float32
-    )
+    token_mask = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.float32)
     data = _dpo_data(rows, width, token_mask)
     data["input_ids"] = torch.randint(0, vocab, (rows, width), generator=g)
-    config = {"reference_policy_kl_penalty": 0.1, "preference_loss_weight": 0.0,
-              "sft_loss_weight": 1.0}
+    config = {"reference_policy_kl_penalty": 0.1, "preference_loss_weight": 0.0, "sft_loss_weight": 1.0}
     dpo_loss, _ = _run_dpo(config, logits, data)
 
     sm_chosen = data["sample_mask"][::2]
@@ -899,8 +900,7 @@ def _run_distill(config, student, data, g_toks=None):
     loss_input, d = prepare_loss_input(student, data, fn)
     if g_toks is None:  # the reference test's denominator: Σ token_mask·sample_mask (incl. col 0)
         g_toks = (d["token_mask"] * d["sample_mask"][:, None]).sum()
-    loss, metrics = fn(data=d, global_valid_seqs=d["sample_mask"].sum(), global_valid_toks=g_toks,
-                       **loss_input)
+    loss, metrics = fn(data=d, global_valid_seqs=d["sample_mask"].sum(), global_valid_toks=g_toks, **loss_input)
     return loss, metrics, g_toks
 
 
@@ -946,8 +946,16 @@ def test_distillation_loss_different_settings(kl_type, zero_outside):
     config = {"kl_type": kl_type, "mixed_kl_weight": 0.3, "zero_outside_topk": zero_outside}
     loss, metrics, g_toks = _run_distill(config, student, data)
     assert g_toks.item() == 8.0
-    expected = ref_distillation(student, data["teacher_topk_logits"], data["teacher_topk_indices"],
-                                kl_type, 0.3, zero_outside, _distill_mask(data), 8.0)
+    expected = ref_distillation(
+        student,
+        data["teacher_topk_logits"],
+        data["teacher_topk_indices"],
+        kl_type,
+        0.3,
+        zero_outside,
+        _distill_mask(data),
+        8.0,
+    )
     assert_close(loss, expected.float(), rtol=1e-5, atol=1e-5)
     assert loss.dim() == 0 and torch.isfinite(loss)
     if not zero_outside:  # KL between two k-point distributions
@@ -970,9 +978,16 @@ def test_distillation_duplicated_indices_make_zero_outside_reverse_negative():
     for kl_type in ("reverse", "mixed"):
         config = {"kl_type": kl_type, "mixed_kl_weight": 0.3, "zero_outside_topk": True}
         loss, _, _ = _run_distill(config, student, data)
-        expected = ref_distillation(student, data["teacher_topk_logits"],
-                                    data["teacher_topk_indices"], kl_type, 0.3, True,
-                                    _distill_mask(data), 8.0)
+        expected = ref_distillation(
+            student,
+            data["teacher_topk_logits"],
+            data["teacher_topk_indices"],
+            kl_type,
+            0.3,
+            True,
+            _distill_mask(data),
+            8.0,
+        )
         assert_close(loss, expected.float(), rtol=1e-5, atol=1e-4)
         assert loss.item() < -100.0
 
@@ -984,8 +999,16 @@ def test_distillation_loss_topk_filtering(k, zero_outside):
     config = {"kl_type": "mixed", "mixed_kl_weight": 0.3, "zero_outside_topk": zero_outside}
     loss, _, _ = _run_distill(config, student, data)
     assert loss.dim() == 0 and torch.isfinite(loss)
-    expected = ref_distillation(student, data["teacher_topk_logits"], data["teacher_topk_indices"],
-                                "mixed", 0.3, zero_outside, _distill_mask(data), 8.0)
+    expected = ref_distillation(
+        student,
+        data["teacher_topk_logits"],
+        data["teacher_topk_indices"],
+        "mixed",
+        0.3,
+        zero_outside,
+        _distill_mask(data),
+        8.0,
+    )
     assert_close(loss, expected.float(), rtol=1e-4, atol=1e-3)
     if k == 1 and not zero_outside:
         assert loss.item() == 0.0  # both distributions are a single point
@@ -1011,8 +1034,16 @@ def test_distillation_loss_gradient_flow(kl_type, zero_outside):
     loss.backward()
     assert student.grad is not None and student.grad.abs().sum().item() > 1e-3
     x = student.detach().double().requires_grad_(True)
-    ref = ref_distillation(x, data["teacher_topk_logits"], data["teacher_topk_indices"], kl_type,
-                           0.3, zero_outside, _distill_mask(data), 8.0)
+    ref = ref_distillation(
+        x,
+        data["teacher_topk_logits"],
+        data["teacher_topk_indices"],
+        kl_type,
+        0.3,
+        zero_outside,
+        _distill_mask(data),
+        8.0,
+    )
     ref.backward()
     assert_close(student.grad, x.grad.float(), rtol=1e-4, atol=1e-6)
     assert student.grad[:, -1].abs().sum().item() == 0.0  # last position predicts nothing
@@ -1033,9 +1064,7 @@ def test_distillation_loss_edge_cases(value, kl_type, zero_outside):
         per = 0.0
     else:
         fwd = math.log(vocab / k)
-        rev = (k / vocab) * math.log(k / vocab) + (-math.log(vocab)) * (1 - k / vocab) + 100.0 * (
-            1 - k / vocab
-        )
+        rev = (k / vocab) * math.log(k / vocab) + (-math.log(vocab)) * (1 - k / vocab) + 100.0 * (1 - k / vocab)
         per = {"forward": fwd, "reverse": rev, "mixed": 0.5 * fwd + 0.5 * rev}[kl_type]
     assert_close(loss, t(per * 6 / 8), rtol=1e-5, atol=1e-5)
 
@@ -1059,8 +1088,16 @@ def test_distillation_loss_fn_call():
     loss, metrics, g_toks = _run_distill(config, student, data)
     assert loss.dim() == 0 and "loss" in metrics
     assert g_toks.item() == 4.0
-    expected = ref_distillation(student, data["teacher_topk_logits"], data["teacher_topk_indices"],
-                                "forward", 0.5, False, _distill_mask(data), 4.0)
+    expected = ref_distillation(
+        student,
+        data["teacher_topk_logits"],
+        data["teacher_topk_indices"],
+        "forward",
+        0.5,
+        False,
+        _distill_mask(data),
+        4.0,
+    )
     assert_close(loss, expected.float(), rtol=1e-5, atol=1e-6)
     # deliberate deviation: num_valid_samples = sum(sample_mask), not the row count
     assert metrics["num_valid_samples"].item() == 1.0
@@ -1107,12 +1144,25 @@ def test_subset_softmax_matches_full_vocab_reference():
 
 def _pg_norms(grad, sir, oob=None):
     out = {"loss": grad, "kl_penalty": grad}
-    for key in ("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
-                "policy_kl_error", "js_divergence_error", "approx_entropy"):
+    for key in (
+        "probs_ratio",
+        "probs_ratio_clamped",
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "policy_kl_error",
+        "js_divergence_error",
+        "approx_entropy",
+    ):
         out[key] = T
     out["sampling_importance_ratio"] = sir
-    for key in ("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max",
-                "probs_ratio_clamped_min", "probs_ratio_clamped_max"):
+    for key in (
+        "num_valid_samples",
+        "positive_nll_loss",
+        "probs_ratio_min",
+        "probs_ratio_max",
+        "probs_ratio_clamped_min",
+        "probs_ratio_clamped_max",
+    ):
         out[key] = N
     if oob is not None:
         out["is_oob_ratio"] = oob
@@ -1127,35 +1177,45 @@ class TestMetricNormalizationAdvertisement:
         assert ClippedPGLossFn(GSPO).metric_normalizations == _pg_norms(S, S)
 
     def test_seq_mask_tis_token_level(self):
-        fn = ClippedPGLossFn({
-            "use_importance_sampling_correction": True,
-            "truncated_importance_sampling_type": "seq-mask-tis",
-            "truncated_importance_sampling_ratio": 1.5,
-            "truncated_importance_sampling_ratio_min": 0.7,
-        })
+        fn = ClippedPGLossFn(
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.5,
+                "truncated_importance_sampling_ratio_min": 0.7,
+            }
+        )
         assert fn.metric_normalizations == _pg_norms(T, T, oob=S)
 
     def test_tis_sequence_level(self):
-        fn = ClippedPGLossFn({
-            "token_level_loss": False,
-            "use_importance_sampling_correction": True,
-            "truncated_importance_sampling_type": "tis",
-            "truncated_importance_sampling_ratio": 2.0,
-        })
+        fn = ClippedPGLossFn(
+            {
+                "token_level_loss": False,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": 2.0,
+            }
+        )
         assert fn.metric_normalizations == _pg_norms(S, T, oob=T)
 
     def test_seq_logprob_error_in_loss_adds_counts(self):
-        fn = ClippedPGLossFn({"force_on_policy_ratio": True, "seq_logprob_error_in_loss": True},
-                             seq_logprob_error_threshold=2.0)
+        fn = ClippedPGLossFn(
+            {"force_on_policy_ratio": True, "seq_logprob_error_in_loss": True}, seq_logprob_error_threshold=2.0
+        )
         expected = _pg_norms(T, T)
-        for key in ("seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs",
-                    "num_masked_seqs_by_logprob_error"):
+        for key in (
+            "seq_logprob_error_valid_tokens",
+            "seq_logprob_error_valid_seqs",
+            "num_masked_seqs_by_logprob_error",
+        ):
             expected[key] = N
         assert fn.metric_normalizations == expected
 
     def test_nll(self):
         assert NLLLossFn().metric_normalizations == {
-            "loss": T, "num_unmasked_tokens": N, "num_valid_samples": N,
+            "loss": T,
+            "num_unmasked_tokens": N,
+            "num_valid_samples": N,
         }
 
 
@@ -1188,14 +1248,16 @@ def _split_batch(seed=1234, micro=2, rows=4, width=8):
 
 @pytest.mark.parametrize("token_level", [True, False])
 def test_split_rescale_matches_sync_normalization(token_level):
-    fn = ClippedPGLossFn({
-        "reference_policy_kl_penalty": 0.05,
-        "token_level_loss": token_level,
-        "use_importance_sampling_correction": True,
-        "truncated_importance_sampling_type": "seq-mask-tis",
-        "truncated_importance_sampling_ratio": 1.5,
-        "truncated_importance_sampling_ratio_min": 0.7,
-    })
+    fn = ClippedPGLossFn(
+        {
+            "reference_policy_kl_penalty": 0.05,
+            "token_level_loss": token_level,
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "seq-mask-tis",
+            "truncated_importance_sampling_ratio": 1.5,
+            "truncated_importance_sampling_ratio_min": 0.7,
+        }
+    )
     batches = _split_batch()
     g_seqs = sum(d["sample_mask"].sum() for _, d in batches)
     g_toks = sum((d["token_mask"][:, 1:] * d["sample_mask"][:, None]).sum() for _, d in batches)
@@ -1205,8 +1267,7 @@ def test_split_rescale_matches_sync_normalization(token_level):
         leaves, parts = [], []
         for lp, data in batches:
             x = lp.clone().requires_grad_(True)
-            loss, metrics = fn(next_token_logprobs=x, data=data, global_valid_seqs=gs,
-                               global_valid_toks=gt)
+            loss, metrics = fn(next_token_logprobs=x, data=data, global_valid_seqs=gs, global_valid_toks=gt)
             loss.backward()
             leaves.append(x.grad)
             parts.append(metrics)
@@ -1255,13 +1316,9 @@ def _filter_batch():
     token_mask[2, 1] = 1
     token_mask[3, 1:] = 1
     ref = torch.zeros(rows, width)
-    ref[:, 1:] = torch.tensor(
-        [[-1.5, -2.5, -2.2], [-1.0, -3.0, -2.0], [-2.3, -2.0, -2.0], [-2.0, -1.0, -3.0]]
-    )
+    ref[:, 1:] = torch.tensor([[-1.5, -2.5, -2.2], [-1.0, -3.0, -2.0], [-2.3, -2.0, -2.0], [-2.0, -1.0, -3.0]])
     adv = torch.zeros(rows, width)
-    adv[:, 1:] = torch.tensor(
-        [[1.0, -0.5, 2.0], [0.7, 1.5, -1.0], [-1.2, 0.3, 0.4], [0.9, 0.9, 0.9]]
-    )
+    adv[:, 1:] = torch.tensor([[1.0, -0.5, 2.0], [0.7, 1.5, -1.0], [-1.2, 0.3, 0.4], [0.9, 0.9, 0.9]])
     data = {
         "input_ids": torch.zeros(rows, width, dtype=torch.long),
         "token_mask": token_mask,
@@ -1291,8 +1348,12 @@ def _run_splits(fn, curr, data, splits, g_seqs, g_toks):
     parts, total, start = [], 0.0, 0
     for n in splits:
         sl = slice(start, start + n)
-        loss, metrics = fn(next_token_logprobs=x[sl], data={k: v[sl] for k, v in data.items()},
-                           global_valid_seqs=t(g_seqs), global_valid_toks=t(g_toks))
+        loss, metrics = fn(
+            next_token_logprobs=x[sl],
+            data={k: v[sl] for k, v in data.items()},
+            global_valid_seqs=t(g_seqs),
+            global_valid_toks=t(g_toks),
+        )
         total = total + loss
         parts.append(metrics)
         start += n
@@ -1305,8 +1366,7 @@ def _run_splits(fn, curr, data, splits, g_seqs, g_toks):
 @pytest.mark.parametrize("splits", [[4], [1, 1, 1, 1], [2, 2], [1, 3]])
 def test_seq_logprob_error_in_loss_chunked_accumulation(splits, beta, tis_type):
     curr, data = _filter_batch()
-    fn = ClippedPGLossFn(_filter_cfg(beta, tis_type=tis_type),
-                         seq_logprob_error_threshold=FILTER_THRESHOLD)
+    fn = ClippedPGLossFn(_filter_cfg(beta, tis_type=tis_type), seq_logprob_error_threshold=FILTER_THRESHOLD)
     assert fn.requires_survivor_normalization
     g_seqs, g_toks = 3.0, 6.0  # original counts: rows 0, 1, 2 with 3 + 2 + 1 tokens
     loss, grad, m = _run_splits(fn, curr, data, splits, g_seqs, g_toks)
@@ -1320,14 +1380,16 @@ def test_seq_logprob_error_in_loss_chunked_accumulation(splits, beta, tis_type):
     pre["sample_mask"] = torch.tensor([1.0, 0.0, 1.0, 0.0])
     legacy = ClippedPGLossFn(_filter_cfg(beta, filtered=False, tis_type=tis_type))
     x_ref = curr.clone().requires_grad_(True)
-    ref_loss, ref_metrics = legacy(next_token_logprobs=x_ref, data=pre,
-                                   global_valid_seqs=t(kept_seqs), global_valid_toks=t(kept_toks))
+    ref_loss, ref_metrics = legacy(
+        next_token_logprobs=x_ref, data=pre, global_valid_seqs=t(kept_seqs), global_valid_toks=t(kept_toks)
+    )
     ref_loss.backward()
     assert_close(grad * (g_toks / kept_toks), x_ref.grad, rtol=1e-5, atol=1e-7)
     assert torch.equal(grad[1], torch.zeros(3)) and torch.equal(grad[3], torch.zeros(3))
 
-    rescaled = rescale_loss_metrics(m, fn.metric_normalizations,
-                                    token_factor=g_toks / kept_toks, sequence_factor=g_seqs / kept_seqs)
+    rescaled = rescale_loss_metrics(
+        m, fn.metric_normalizations, token_factor=g_toks / kept_toks, sequence_factor=g_seqs / kept_seqs
+    )
     for key in ("loss", "is_oob_ratio", "probs_ratio", "kl_penalty", "num_valid_samples"):
         assert_close(rescaled[key], ref_metrics[key], rtol=1e-5, atol=1e-7, msg=key)
     assert_close(loss * (g_toks / kept_toks), ref_loss, rtol=1e-5, atol=1e-7)
@@ -1348,8 +1410,14 @@ def test_seq_logprob_error_in_loss_chunked_accumulation(splits, beta, tis_type):
 
 @pytest.mark.parametrize(
     "where, value",
-    [("curr", math.nan), ("curr", math.inf), ("ref", math.inf), ("ref", -math.inf),
-     ("ref", math.nan), ("gen", -math.inf)],
+    [
+        ("curr", math.nan),
+        ("curr", math.inf),
+        ("ref", math.inf),
+        ("ref", -math.inf),
+        ("ref", math.nan),
+        ("gen", -math.inf),
+    ],
 )
 def test_seq_logprob_error_in_loss_nonfinite_rejected_rows(where, value):
     curr, data = _filter_batch()
@@ -1420,8 +1488,7 @@ def test_seq_logprob_error_in_loss_disabled_matches_legacy():
     assert loss_a.item() == loss_b.item()
     assert torch.equal(grad_a, grad_b)
     assert metrics_to_python(m_a) == metrics_to_python(m_b)
-    for key in ("seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs",
-                "num_masked_seqs_by_logprob_error"):
+    for key in ("seq_logprob_error_valid_tokens", "seq_logprob_error_valid_seqs", "num_masked_seqs_by_logprob_error"):
         assert key not in m_b
     # the legacy loss sees row 1 (error 4): it differs from the filtered loss
     filtered = ClippedPGLossFn(_filter_cfg(0.1), seq_logprob_error_threshold=2.0)

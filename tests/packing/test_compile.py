@@ -126,21 +126,27 @@ def test_draft_wrappers_compile_to_one_clean_graph():
     data, logits = make_batch(case, lengths, width, seed=1)
     gs, gt = globals_for(data)
     cu, cup = boundaries(lengths, pads)
-    policy = SequencePackingFusionLossWrapper(
-        case.make_loss(), case.prepare(packed=True), cu, cup, bucket=GRID
-    )
+    policy = SequencePackingFusionLossWrapper(case.make_loss(), case.prepare(packed=True), cu, cup, bucket=GRID)
     tokens = policy.layout.tokens
     packed = pack_logits(logits, cu, cup, tokens, seed=1)
     d2t = torch.tensor([0, 2, 4, 5, 6, 6, 7])
     student = torch.randn(1, tokens, len(d2t), requires_grad=True)
     packed_draft = DraftLossWrapper(
-        policy, None, None, loss_weight=0.3, cu_seqlens_q=cu, cu_seqlens_q_padded=cup,
-        d2t=d2t, student_logits=student, bucket=GRID,
+        policy,
+        None,
+        None,
+        loss_weight=0.3,
+        cu_seqlens_q=cu,
+        cu_seqlens_q_padded=cup,
+        d2t=d2t,
+        student_logits=student,
+        bucket=GRID,
     )
     unpacked_draft = DraftLossWrapper(
-        functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=case.make_loss(),
-                          prepare_fn=prepare_loss_input),
-        functools.partial(prepare_loss_input, d2t=d2t), None, loss_weight=0.3,
+        functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=case.make_loss(), prepare_fn=prepare_loss_input),
+        functools.partial(prepare_loss_input, d2t=d2t),
+        None,
+        loss_weight=0.3,
     )
     unpacked_data = {**data, "student_logits": torch.randn(len(lengths), width, len(d2t))}
     runtime = DraftRuntimeLossWrapper(case.make_loss(), prepare_loss_input, _ToyRuntime())

@@ -115,7 +115,8 @@ class TestUnclearInputs(TestCase):
         import numpy as np
 
         self.assertExpectedInline(
-            message(fused, None), """ValueError: cu_seqlens_q must be a 1-D sequence of ints [0, ..., total], got NoneType"""
+            message(fused, None),
+            """ValueError: cu_seqlens_q must be a 1-D sequence of ints [0, ..., total], got NoneType""",
         )
         self.assertExpectedInline(
             message(fused, np.array([[0, 4], [4, 8]])),
@@ -148,8 +149,9 @@ class TestUnclearInputs(TestCase):
     def test_packed_draft_without_masks(self):
         from compiled_loss.wrapper import DraftLossWrapper
 
-        wrapper = DraftLossWrapper(lambda *a: (torch.tensor(0.0), {}), None, {}, cu_seqlens_q=(0, 4),
-                                   student_logits=torch.randn(1, 4, 3))
+        wrapper = DraftLossWrapper(
+            lambda *a: (torch.tensor(0.0), {}), None, {}, cu_seqlens_q=(0, 4), student_logits=torch.randn(1, 4, 3)
+        )
         self.assertExpectedInline(
             message(wrapper, torch.randn(1, 4, 3), {"token_mask": torch.ones(1, 4)}, None, torch.tensor(3.0)),
             """ValueError: DraftLossWrapper (packed): data is missing key 'sample_mask' (present: ['token_mask'])""",

@@ -23,4 +23,6 @@ def test_a_layout_is_copied_once_per_device():
 def test_wrappers_build_their_layout_on_the_given_device():
     wrapper = SequencePackingFusionLossWrapper(NLLLossFn(), prepare_packed_loss_input, (0, 3, 7), device="meta")
     assert wrapper.layout.device == torch.device("meta")
-    assert all(getattr(wrapper.layout, f).is_meta for f in ("slot_row", "slot_col", "slot_last", "row_start", "row_len"))
+    assert all(
+        getattr(wrapper.layout, f).is_meta for f in ("slot_row", "slot_col", "slot_last", "row_start", "row_len")
+    )

@@ -40,13 +40,12 @@ from compiled_loss.wrapper import (
 # ---------------------------------------------------------------------------------------
 
 
-def _unpack_grad(packed_grad: torch.Tensor, lengths: list[int], cu_padded: tuple[int, ...],
-                 width: int) -> torch.Tensor:
+def _unpack_grad(packed_grad: torch.Tensor, lengths: list[int], cu_padded: tuple[int, ...], width: int) -> torch.Tensor:
     """Map a packed `[1, T, ...]` gradient back to `[B, S, ...]` (zeros past each length)."""
     out = packed_grad.new_zeros((len(lengths), width) + tuple(packed_grad.shape[2:]))
     for i, length in enumerate(lengths):
         c = min(length, width)
-        out[i, :c] = packed_grad[0, cu_padded[i]:cu_padded[i] + c]
+        out[i, :c] = packed_grad[0, cu_padded[i] : cu_padded[i] + c]
     return out
 
 
@@ -54,8 +53,11 @@ def _assert_metrics_close(got: dict, expected: dict, tol: float = 1e-5) -> None:
     assert set(got) == set(expected)
     for key in expected:
         torch.testing.assert_close(
-            torch.as_tensor(got[key]).double(), torch.as_tensor(expected[key]).double(),
-            rtol=tol, atol=tol, msg=lambda m, k=key: f"metric {k!r}: {m}",
+            torch.as_tensor(got[key]).double(),
+            torch.as_tensor(expected[key]).double(),
+            rtol=tol,
+            atol=tol,
+            msg=lambda m, k=key: f"metric {k!r}: {m}",
         )
 
 
@@ -98,8 +100,7 @@ def test_pack_input_ids_inflated_last_segment_rolled():
 def test_pack_input_ids_cp_sharding_conserves_tokens(cp_size, roll_shift):
     ids, cu = _inflated_batch()
     full = _pack_input_ids(ids, cu, cu, roll_shift=roll_shift)[0]
-    shards = [_pack_input_ids(ids, cu, cu, cp_rank=r, cp_size=cp_size, roll_shift=roll_shift)
-              for r in range(cp_size)]
+    shards = [_pack_input_ids(ids, cu, cu, cp_rank=r, cp_size=cp_size, roll_shift=roll_shift) for r in range(cp_size)]
     for shard in shards:
         assert shard.shape == (1, 16512 // cp_size)
     gathered = torch.cat([s[0] for s in shards])
@@ -113,10 +114,11 @@ def test_pack_input_ids_cp_sharding_conserves_tokens(cp_size, roll_shift):
         for i in range(2):
             start, padded = cu[i], cu[i + 1] - cu[i]
             chunk = padded // (2 * cp_size)
-            seg = full[start:start + padded]
-            want = torch.cat([seg[r * chunk:(r + 1) * chunk],
-                              seg[(2 * cp_size - 1 - r) * chunk:(2 * cp_size - r) * chunk]])
-            assert torch.equal(local[start // cp_size:(start + padded) // cp_size], want)
+            seg = full[start : start + padded]
+            want = torch.cat(
+                [seg[r * chunk : (r + 1) * chunk], seg[(2 * cp_size - 1 - r) * chunk : (2 * cp_size - r) * chunk]]
+            )
+            assert torch.equal(local[start // cp_size : (start + padded) // cp_size], want)
 
 
 def test_pack_input_ids_in_bounds_lengths_pad_with_zeros():
@@ -197,13 +199,12 @@ def _fusion_batch(seed: int = 42):
     packed = pack_rows(unpacked, lengths, cup, 3 * torch.randn(cup[-1], vocab))
     g_t = torch.tensor(float(sum(n - 1 for n in lengths)))
     g_s = torch.tensor(4.0)
-    return dict(data=data, unpacked=unpacked, packed=packed, lengths=lengths, cu=cu, cup=cup,
-                g_t=g_t, g_s=g_s, width=width)
+    return dict(
+        data=data, unpacked=unpacked, packed=packed, lengths=lengths, cu=cu, cup=cup, g_t=g_t, g_s=g_s, width=width
+    )
 
 
-@pytest.mark.parametrize(
-    "sampling", [None, TrainingSamplingParams(top_k=8, top_p=0.9)], ids=["plain", "top_k_top_p"]
-)
+@pytest.mark.parametrize("sampling", [None, TrainingSamplingParams(top_k=8, top_p=0.9)], ids=["plain", "top_k_top_p"])
 def test_sequence_packing_fusion_matches_per_sequence_wrapper(sampling):
     b = _fusion_batch()
     assert b["cu"] == (0, 16, 48, 69, 117) and b["cup"] == (0, 16, 48, 70, 118)
@@ -213,8 +214,11 @@ def test_sequence_packing_fusion_matches_per_sequence_wrapper(sampling):
     results = {}
     for name, cls, prep in (
         ("seq", SequencePackingLossWrapper, functools.partial(prepare_loss_input, sampling_params=sampling)),
-        ("fused", SequencePackingFusionLossWrapper,
-         functools.partial(prepare_packed_loss_input, sampling_params=sampling)),
+        (
+            "fused",
+            SequencePackingFusionLossWrapper,
+            functools.partial(prepare_packed_loss_input, sampling_params=sampling),
+        ),
     ):
         logits = b["packed"].detach().clone().requires_grad_()
         wrapper = cls(loss_fn, prep, b["cu"], b["cup"])
@@ -235,7 +239,11 @@ def test_sequence_packing_fusion_matches_per_sequence_wrapper(sampling):
     # both equal the unpacked baseline (token_mask zero past each length)
     base_logits = b["unpacked"].clone().requires_grad_()
     base_loss, base_metrics = wrap_loss_fn_with_input_preparation(
-        base_logits, b["data"], b["g_s"], b["g_t"], loss_fn=loss_fn,
+        base_logits,
+        b["data"],
+        b["g_s"],
+        b["g_t"],
+        loss_fn=loss_fn,
         prepare_fn=functools.partial(prepare_loss_input, sampling_params=sampling),
     )
     base_loss.backward()
@@ -250,9 +258,12 @@ def test_sequence_packing_wrappers_accept_tensor_boundaries():
     b = _fusion_batch(7)
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     ref, _ = SequencePackingLossWrapper(loss_fn, prepare_loss_input, b["cu"], b["cup"])(
-        b["packed"], b["data"], b["g_s"], b["g_t"])
-    for cls, prep in ((SequencePackingLossWrapper, prepare_loss_input),
-                      (SequencePackingFusionLossWrapper, prepare_packed_loss_input)):
+        b["packed"], b["data"], b["g_s"], b["g_t"]
+    )
+    for cls, prep in (
+        (SequencePackingLossWrapper, prepare_loss_input),
+        (SequencePackingFusionLossWrapper, prepare_packed_loss_input),
+    ):
         wrapper = cls(loss_fn, prep, torch.tensor(b["cu"]), torch.tensor(b["cup"]))
         assert wrapper.cu_seqlens_q == b["cu"] and wrapper.cu_seqlens_q_padded == b["cup"]
         loss, _ = wrapper(b["packed"], b["data"], b["g_s"], b["g_t"])
@@ -268,7 +279,8 @@ def test_sequence_packing_wrappers_accept_tensor_boundaries():
 
 
 @pytest.mark.parametrize(
-    "cu_mode", ["true_lengths", "megatron_padded"],
+    "cu_mode",
+    ["true_lengths", "megatron_padded"],
     ids=["cu_true", "cu_eq_padded_inflated_last"],
 )
 @pytest.mark.parametrize("fused", [False, True], ids=["per_sequence", "fused"])
@@ -300,7 +312,12 @@ def test_sequence_packing_gradients_match_unpacked_baseline(cu_mode, fused):
 
     base_logits = torch.randn(rows, width, vocab, requires_grad=True)
     base_loss, base_metrics = wrap_loss_fn_with_input_preparation(
-        base_logits, data, g_s, g_t, loss_fn=loss_fn, prepare_fn=prepare_loss_input,
+        base_logits,
+        data,
+        g_s,
+        g_t,
+        loss_fn=loss_fn,
+        prepare_fn=prepare_loss_input,
     )
     base_loss.backward()
 
@@ -319,7 +336,7 @@ def test_sequence_packing_gradients_match_unpacked_baseline(cu_mode, fused):
     assert mapped.abs().sum() > 0
     assert torch.all(packed.grad[0, padding_slots(pack_lengths, cup, width)] == 0)
     if cu_mode == "megatron_padded":
-        assert torch.all(packed.grad[0, 48 + 48:] == 0)  # phantom tail of the inflated segment
+        assert torch.all(packed.grad[0, 48 + 48 :] == 0)  # phantom tail of the inflated segment
     _assert_metrics_close(metrics, base_metrics)
 
 
@@ -332,8 +349,12 @@ def test_seq_metric_extrema_registries():
     """ref §7.1: the seed's sets exactly; every other extremum (the critic's, reported with
     ±inf sentinels) is registered through the one registry, so it combines with min/max."""
     reference_min = {"probs_ratio_min", "probs_ratio_clamped_min", "opd_full_reverse_kl_min"}
-    reference_max = {"probs_ratio_max", "probs_ratio_clamped_max", "opd_full_reverse_kl_max",
-                     "opd_full_decomposition_error"}
+    reference_max = {
+        "probs_ratio_max",
+        "probs_ratio_clamped_max",
+        "opd_full_reverse_kl_max",
+        "opd_full_decomposition_error",
+    }
     assert isinstance(_SEQ_METRIC_MIN, frozenset) and isinstance(_SEQ_METRIC_MAX, frozenset)
     assert (_SEQ_METRIC_MIN, _SEQ_METRIC_MAX) == (reference_min, reference_max)
     assert (aggregation("values_min"), aggregation("values_max"), aggregation("values_mean")) == ("min", "max", "sum")
@@ -345,16 +366,19 @@ def test_seq_metric_extrema_registries():
     torch.manual_seed(0)
     b = _fusion_batch(3)
     _, metrics = wrap_loss_fn_with_input_preparation(
-        b["unpacked"], b["data"], b["g_s"], b["g_t"],
-        loss_fn=ClippedPGLossFn(ClippedPGLossConfig()), prepare_fn=prepare_loss_input,
+        b["unpacked"],
+        b["data"],
+        b["g_s"],
+        b["g_t"],
+        loss_fn=ClippedPGLossFn(ClippedPGLossConfig()),
+        prepare_fn=prepare_loss_input,
     )
     for key in metrics:
         if key.endswith("_min"):
             assert aggregation(key) == "min", key
         if key.endswith("_max"):
             assert aggregation(key) == "max", key
-    assert {"probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min",
-            "probs_ratio_clamped_max"} <= set(metrics)
+    assert {"probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"} <= set(metrics)
 
 
 def test_wrappers_are_frozen_dataclasses():

@@ -27,18 +27,36 @@ from compiled_loss.train.parallel import init_parallel
 
 # small enough that a case takes about a second on one core
 SMALL = [
-    *SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.sft_steps=0", "run.steps=1", "optim.grad_clip=null",
+    *SMALL_RUN,
+    "run.micro_batches=2",
+    "compile.enabled=false",
+    "run.sft_steps=0",
+    "run.steps=1",
+    "optim.grad_clip=null",
 ]
-LOSSES = ["clipped_pg", "gspo", "cispo", "reinforce", "opd_full", "nll", "dpo", "mpo", "distillation",
-          "cross_tokenizer", "mse_value"]
+LOSSES = [
+    "clipped_pg",
+    "gspo",
+    "cispo",
+    "reinforce",
+    "opd_full",
+    "nll",
+    "dpo",
+    "mpo",
+    "distillation",
+    "cross_tokenizer",
+    "mse_value",
+]
 # the fused LM head serves every loss over the policy's log-probs; opd_full and cross_tokenizer
 # read every logit, and mse_value trains a value head
 FUSED = [name for name in LOSSES if name not in ("opd_full", "cross_tokenizer", "mse_value")]
 # packing alternates between the packed and the padded layout so that both meet every size
 CASES = {
     **{f"{name}-dense": [f"loss={name}", f"packing={'fused' if i % 2 else 'none'}"] for i, name in enumerate(LOSSES)},
-    **{f"{name}-fused_head": [f"loss={name}", "logprob.fused_linear=true",
-                              f"packing={'none' if i % 2 else 'fused'}"] for i, name in enumerate(FUSED)},
+    **{
+        f"{name}-fused_head": [f"loss={name}", "logprob.fused_linear=true", f"packing={'none' if i % 2 else 'fused'}"]
+        for i, name in enumerate(FUSED)
+    },
 }
 
 

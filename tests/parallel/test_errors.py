@@ -41,8 +41,11 @@ def _attempt(fn):
 
 
 def _nll_data(rows: int, width: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.zeros(rows, width, dtype=torch.long), "token_mask": torch.ones(rows, width),
-            "sample_mask": torch.ones(rows)}
+    return {
+        "input_ids": torch.zeros(rows, width, dtype=torch.long),
+        "token_mask": torch.ones(rows, width),
+        "sample_mask": torch.ones(rows),
+    }
 
 
 def _disagreements(rank: int, world: int) -> list[str]:
@@ -50,30 +53,46 @@ def _disagreements(rank: int, world: int) -> list[str]:
     group, odd = dist.group.WORLD, rank == 1
     width = 6 if odd else 7  # vocabulary shard widths 7 + 6
     logits, targets = torch.randn(4, width), torch.tensor([0, 3, 7, 12])
-    unpacked = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(),
-                                 prepare_fn=prepare_loss_input)
+    unpacked = functools.partial(
+        wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(), prepare_fn=prepare_loss_input
+    )
     seq = 4 if odd else 5  # unpacked [B, S]: [2, 5] and [2, 4]
-    packed = SequencePackingFusionLossWrapper(NLLLossFn(), prepare_packed_loss_input, (0, 4, 8), (0, 4, 8),
-                                              vocab_parallel_group=group)
+    packed = SequencePackingFusionLossWrapper(
+        NLLLossFn(), prepare_packed_loss_input, (0, 4, 8), (0, 4, 8), vocab_parallel_group=group
+    )
     draft = DraftLossWrapper(unpacked, prepare_loss_input, None, vocab_parallel_group=group)
     return [
         _attempt(lambda: token_logprobs(logits, targets, group=group)),
-        _attempt(lambda: vocab_reduce(torch.randn(4, 6, dtype=torch.bfloat16 if odd else torch.float32),
-                                      group=group)),
+        _attempt(lambda: vocab_reduce(torch.randn(4, 6, dtype=torch.bfloat16 if odd else torch.float32), group=group)),
         _attempt(lambda: vocab_reduce(torch.randn(5 if odd else 4, 6), group=group)),
         _attempt(lambda: token_logprobs(LinearLogits(torch.randn(4, 3), torch.randn(width, 3)), targets, group=group)),
-        _attempt(lambda: unpacked(torch.randn(2, seq, 8), _nll_data(2, seq), None, torch.tensor(8.0),
-                                  vocab_parallel_group=group)),
-        _attempt(lambda: unpacked(torch.randn(2, 4, 8), _nll_data(2, seq), None, torch.tensor(8.0),
-                                  context_parallel_group=group)),
+        _attempt(
+            lambda: unpacked(
+                torch.randn(2, seq, 8), _nll_data(2, seq), None, torch.tensor(8.0), vocab_parallel_group=group
+            )
+        ),
+        _attempt(
+            lambda: unpacked(
+                torch.randn(2, 4, 8), _nll_data(2, seq), None, torch.tensor(8.0), context_parallel_group=group
+            )
+        ),
         _attempt(lambda: packed(torch.randn(1, 8, 8), _nll_data(2, seq), None, torch.tensor(6.0))),
-        _attempt(lambda: draft(torch.randn(2, 4, 8), {**_nll_data(2, 4), "student_logits": torch.randn(2, 4, width)},
-                               None, torch.tensor(6.0))),
+        _attempt(
+            lambda: draft(
+                torch.randn(2, 4, 8),
+                {**_nll_data(2, 4), "student_logits": torch.randn(2, 4, width)},
+                None,
+                torch.tensor(6.0),
+            )
+        ),
         _attempt(lambda: reverse_kl(logits, torch.randn(4, width), group=group)),
         _attempt(lambda: vocab_topk(logits, 3, group)),
         _attempt(lambda: sampling_threshold(logits, 3, 1.0, group=group)),
-        _attempt(lambda: map_teacher_logits_to_draft_vocab(torch.randn(2, width), torch.zeros(4, dtype=torch.long),
-                                                           vocab_parallel_group=group)),
+        _attempt(
+            lambda: map_teacher_logits_to_draft_vocab(
+                torch.randn(2, width), torch.zeros(4, dtype=torch.long), vocab_parallel_group=group
+            )
+        ),
         _attempt(lambda: ContextShards.of_rows(3 if odd else 2, 4, group)),
         _attempt(lambda: ContextShards.of_segments((0, 4), (4, 8) if odd else (4, 4), 12 if odd else 8, group)),
         _attempt(lambda: token_logprobs(torch.randn(4, 6), torch.tensor([0, 3, 11, 12]), group=group)),  # agreed
@@ -86,24 +105,50 @@ def _grid_disagreement(rank: int, world: int) -> str:
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     seq = 4 if rank == 3 else 5
-    return _attempt(lambda: wrap_loss_fn_with_input_preparation(
-        torch.randn(2, 4, 8), _nll_data(2, seq), None, torch.tensor(8.0), NLLLossFn(), prepare_loss_input,
-        vocab_parallel_group=tp_groups[rank // 2], context_parallel_group=cp_groups[rank % 2]))
+    return _attempt(
+        lambda: wrap_loss_fn_with_input_preparation(
+            torch.randn(2, 4, 8),
+            _nll_data(2, seq),
+            None,
+            torch.tensor(8.0),
+            NLLLossFn(),
+            prepare_loss_input,
+            vocab_parallel_group=tp_groups[rank // 2],
+            context_parallel_group=cp_groups[rank % 2],
+        )
+    )
 
 
 def _errors(rank: int, world: int) -> list[str]:
     group = dist.group.WORLD
     cu = (0, 4, 8) if rank == 0 else (0, 4, 12)
-    data = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "token_mask": torch.ones(1, 6),
-            "sample_mask": torch.ones(1)}
+    data = {
+        "input_ids": torch.zeros(1, 6, dtype=torch.long),
+        "token_mask": torch.ones(1, 6),
+        "sample_mask": torch.ones(1),
+    }
     return [
-        _attempt(lambda: SequencePackingFusionLossWrapper(NLLLossFn(), prepare_packed_loss_input, cu, cu,
-                                                          context_parallel_group=group)),
-        _attempt(lambda: SequencePackingFusionLossWrapper(NLLLossFn(), prepare_packed_loss_input, (0, 5, 11),
-                                                          (0, 6, 12), context_parallel_group=group)),
-        _attempt(lambda: wrap_loss_fn_with_input_preparation(torch.zeros(1, 2, 5), data, None, torch.tensor(1.0),
-                                                             NLLLossFn(), prepare_loss_input,
-                                                             context_parallel_group=group)),
+        _attempt(
+            lambda: SequencePackingFusionLossWrapper(
+                NLLLossFn(), prepare_packed_loss_input, cu, cu, context_parallel_group=group
+            )
+        ),
+        _attempt(
+            lambda: SequencePackingFusionLossWrapper(
+                NLLLossFn(), prepare_packed_loss_input, (0, 5, 11), (0, 6, 12), context_parallel_group=group
+            )
+        ),
+        _attempt(
+            lambda: wrap_loss_fn_with_input_preparation(
+                torch.zeros(1, 2, 5),
+                data,
+                None,
+                torch.tensor(1.0),
+                NLLLossFn(),
+                prepare_loss_input,
+                context_parallel_group=group,
+            )
+        ),
     ]
 
 
@@ -129,8 +174,7 @@ def test_every_rank_raises_the_same_clear_error_within_seconds():
         "rank 1: ((0, 4, 12), (0, 4, 12), BucketGrid(tokens=1, rows=1, width=1, per_octave=0))",
         "with context parallel size 2 every padded sequence length must be a multiple of 2*cp=4; sequences [0, 1] "
         "have padded lengths [6, 6]",
-        "logits hold 2 positions per context-parallel rank; 2 ranks cover 4, fewer than the 6 positions of "
-        "input_ids",
+        "logits hold 2 positions per context-parallel rank; 2 ranks cover 4, fewer than the 6 positions of input_ids",
     ]
 
 
@@ -187,10 +231,14 @@ def test_a_tensor_by_context_parallel_grid_raises_the_same_error_on_all_four_ran
     start = time.monotonic()
     errors = run_on_ranks(_grid_disagreement, world_size=4, timeout=120)
     assert time.monotonic() - start < 60
-    assert errors == [
-        f"{DISAGREE} wrap_loss_fn_with_input_preparation's inputs (shapes and dtypes): "
-        "rank 0: data['input_ids']=int64[2, 5], data['token_mask']=float32[2, 5]; "
-        "rank 1: data['input_ids']=int64[2, 5], data['token_mask']=float32[2, 5]; "
-        "rank 2: data['input_ids']=int64[2, 5], data['token_mask']=float32[2, 5]; "
-        "rank 3: data['input_ids']=int64[2, 4], data['token_mask']=float32[2, 4]"
-    ] * 4
+    assert (
+        errors
+        == [
+            f"{DISAGREE} wrap_loss_fn_with_input_preparation's inputs (shapes and dtypes): "
+            "rank 0: data['input_ids']=int64[2, 5], data['token_mask']=float32[2, 5]; "
+            "rank 1: data['input_ids']=int64[2, 5], data['token_mask']=float32[2, 5]; "
+            "rank 2: data['input_ids']=int64[2, 5], data['token_mask']=float32[2, 5]; "
+            "rank 3: data['input_ids']=int64[2, 4], data['token_mask']=float32[2, 4]"
+        ]
+        * 4
+    )

@@ -27,16 +27,24 @@ WORKER = Path(__file__).with_name("grid_worker.py")
 SIZES = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
 REL, ABS = 1e-4, 1e-6
 # cases the config refuses at a size, with the start of the refusal
-REFUSED = {"cross_tokenizer-dense": ("ConfigError: loss=cross_tokenizer reads whole student and teacher "
-                                     "distributions: it runs at parallel.tp = parallel.cp = 1")}
+REFUSED = {
+    "cross_tokenizer-dense": (
+        "ConfigError: loss=cross_tokenizer reads whole student and teacher "
+        "distributions: it runs at parallel.tp = parallel.cp = 1"
+    )
+}
 
 
 def _grid(out: Path, tp: int, cp: int, dp: int) -> dict:
     procs = tp * cp * dp
-    launcher = [sys.executable] if procs == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}", "--standalone"]
-    proc = subprocess.run([*launcher, str(WORKER), str(out), str(tp), str(cp), str(dp)], capture_output=True,
-                          text=True, timeout=900)
+    launcher = (
+        [sys.executable]
+        if procs == 1
+        else [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}", "--standalone"]
+    )
+    proc = subprocess.run(
+        [*launcher, str(WORKER), str(out), str(tp), str(cp), str(dp)], capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
@@ -73,8 +81,10 @@ def _differences(want: dict, got: dict) -> tuple[list[str], float, float]:
             torch.testing.assert_close(b, a, rtol=REL, atol=ABS * scale)
         except AssertionError:
             ratio = (b.norm() / a.norm()).item() if a.norm() > 0 else float("inf")
-            problems.append(f"grad {name}: max |diff| {(b - a).abs().max().item():.3g} "
-                            f"(largest entry {scale:.3g}; norm ratio {ratio:.4g})")
+            problems.append(
+                f"grad {name}: max |diff| {(b - a).abs().max().item():.3g} "
+                f"(largest entry {scale:.3g}; norm ratio {ratio:.4g})"
+            )
             continue
         if scale:
             worst_grad = max(worst_grad, (b - a).abs().max().item() / scale)
@@ -95,5 +105,7 @@ def test_every_loss_and_head_equals_the_single_process(single, sizes, tmp_path):
         report += [f"{name}: {p}" for p in problems]
         worst = (max(worst[0], metric), max(worst[1], grad))
     assert not report, "\n".join(report)
-    print(f"{sizes}: {len(single)} cases; largest relative difference: metrics {worst[0]:.2g}, "
-          f"gradients {worst[1]:.2g} (of the parameter's largest entry)")
+    print(
+        f"{sizes}: {len(single)} cases; largest relative difference: metrics {worst[0]:.2g}, "
+        f"gradients {worst[1]:.2g} (of the parameter's largest entry)"
+    )

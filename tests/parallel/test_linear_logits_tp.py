@@ -73,8 +73,9 @@ def _param(config: str, name: str, which: str, chunk: int | None):
     return pytest.param(config, name, which, chunk, id=f"{config}-{_label(name, which, chunk)}")
 
 
-ITEMS = [_param(config, name, which, chunk)
-         for config in CONFIGS for name in LOSSES for which, chunk in _variants(name)]
+ITEMS = [
+    _param(config, name, which, chunk) for config in CONFIGS for name in LOSSES for which, chunk in _variants(name)
+]
 
 
 def _batch(name: str, which: str):
@@ -98,8 +99,9 @@ def _wrapper(which: str, case, chunk: int | None, tp_group=None, cp_group=None):
     if chunk is not None:
         prepare = functools.partial(prepare, chunk_size=chunk)
     if which == "unpacked":
-        return functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=case.make_loss(), prepare_fn=prepare,
-                                 **groups)
+        return functools.partial(
+            wrap_loss_fn_with_input_preparation, loss_fn=case.make_loss(), prepare_fn=prepare, **groups
+        )
     cu, cup = boundaries(LENGTHS, PADS)
     return SequencePackingFusionLossWrapper(case.make_loss(), prepare, cu, cup, **groups)
 
@@ -194,8 +196,10 @@ def test_linear_logits_parallel_parity(config, name, which, chunk):
         assert result[config][label] == [], f"rank {rank}"
 
 
-@pytest.mark.parametrize(("name", "which", "chunk"), [
-    pytest.param(*p.values[1:], id=p.id.removeprefix("tp2-")) for p in ITEMS if p.values[0] == "tp2"])
+@pytest.mark.parametrize(
+    ("name", "which", "chunk"),
+    [pytest.param(*p.values[1:], id=p.id.removeprefix("tp2-")) for p in ITEMS if p.values[0] == "tp2"],
+)
 def test_linear_logits_single_process(name, which, chunk):
     """The same checks at tp = cp = 1, in this process: non-identity LM head with a bias."""
     assert _check(name, which, chunk, 0, 1, 1, None, None) == []

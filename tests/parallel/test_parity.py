@@ -27,8 +27,18 @@ from compiled_loss.wrapper import (
     wrap_loss_fn_with_input_preparation,
 )
 
-LOSSES = ["grpo", "grpo_topk_topp", "gspo_tis", "nll", "dpo_sft", "distill_mixed_zero_outside",
-          "distill_reverse", "opd_full_logits", "opd_full_hidden_seq_level", "mse_value_clipped"]
+LOSSES = [
+    "grpo",
+    "grpo_topk_topp",
+    "gspo_tis",
+    "nll",
+    "dpo_sft",
+    "distill_mixed_zero_outside",
+    "distill_reverse",
+    "opd_full_logits",
+    "opd_full_hidden_seq_level",
+    "mse_value_clipped",
+]
 WRAPPERS = ["unpacked", "per_sequence", "fused", "draft_packed", "draft_unpacked"]
 LENGTHS, PADS, WIDTH = [6, 3, 8, 2], [2, 1, 0, 2], 8  # padded lengths 8, 4, 8, 4: multiples of 2·cp
 D2T = torch.tensor([0, 1, 1, 3, 5, 5, 6, 8])  # an 8-id draft vocabulary
@@ -36,9 +46,14 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # compiled (aot_eager, fullgraph) at (tp, cp) = (2, 2): every wrapper with top-k/top-p GRPO, plus one case
 # of each other input type; every case runs eagerly at every (tp, cp)
 COMPILED = {("grpo_topk_topp", w) for w in WRAPPERS} | {
-    ("distill_mixed_zero_outside", "fused"), ("distill_reverse", "per_sequence"), ("mse_value_clipped", "unpacked"),
-    ("dpo_sft", "fused"), ("nll", "per_sequence"), ("opd_full_logits", "fused"),
-    ("opd_full_hidden_seq_level", "per_sequence")}
+    ("distill_mixed_zero_outside", "fused"),
+    ("distill_reverse", "per_sequence"),
+    ("mse_value_clipped", "unpacked"),
+    ("dpo_sft", "fused"),
+    ("nll", "per_sequence"),
+    ("opd_full_logits", "fused"),
+    ("opd_full_hidden_seq_level", "per_sequence"),
+}
 
 
 def _batch(name: str):
@@ -60,19 +75,23 @@ def _wrapper(which, case, student, tp_group=None, cp_group=None):
 
         def prepare(packed):
             return functools.partial(case.prepare(packed), teacher_output_layer_weight_by_index=heads)
+
     if which == "unpacked":
-        return functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
-                                 prepare_fn=prepare(packed=False), **groups)
+        return functools.partial(
+            wrap_loss_fn_with_input_preparation, loss_fn=loss_fn, prepare_fn=prepare(packed=False), **groups
+        )
     if which in ("per_sequence", "fused"):
         cls = SequencePackingFusionLossWrapper if which == "fused" else SequencePackingLossWrapper
         return cls(loss_fn, prepare(packed=which == "fused"), cu, cup, **groups)
     if which == "draft_unpacked":
-        policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=loss_fn,
-                                   prepare_fn=prepare(packed=False), **groups)
+        policy = functools.partial(
+            wrap_loss_fn_with_input_preparation, loss_fn=loss_fn, prepare_fn=prepare(packed=False), **groups
+        )
         return DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=D2T), None, 0.3, **groups)
     policy = SequencePackingFusionLossWrapper(loss_fn, prepare(packed=True), cu, cup, **groups)
-    return DraftLossWrapper(policy, None, None, 0.3, cu_seqlens_q=cu, cu_seqlens_q_padded=cup, d2t=D2T,
-                            student_logits=student, **groups)
+    return DraftLossWrapper(
+        policy, None, None, 0.3, cu_seqlens_q=cu, cu_seqlens_q_padded=cup, d2t=D2T, student_logits=student, **groups
+    )
 
 
 def _apply(wrapper, logits, data, gs, gt):
@@ -127,17 +146,29 @@ def _on_ranks(rank: int, world: int, tp: int, cp: int):
                 try:
                     torch.testing.assert_close(got, want, **TOL)
                     for key in want_metrics:
-                        torch.testing.assert_close(metrics[key].float(), want_metrics[key].float(), **TOL,
-                                                   msg=lambda m, k=key: f"metric {k}: {m}")
+                        torch.testing.assert_close(
+                            metrics[key].float(),
+                            want_metrics[key].float(),
+                            **TOL,
+                            msg=lambda m, k=key: f"metric {k}: {m}",
+                        )
                     torch.testing.assert_close(grad, want_local_grad, rtol=1e-5, atol=1e-6)
                 except AssertionError as e:
-                    report.append(f"{label}: {str(e).splitlines()[0]} | {[ln for ln in str(e).splitlines() if 'metric' in ln][:1]}")
+                    report.append(
+                        f"{label}: {str(e).splitlines()[0]} | {[ln for ln in str(e).splitlines() if 'metric' in ln][:1]}"
+                    )
                 if mode == "compiled" and recorder.report.problems():
                     report.append(f"{label}: {recorder.report.problems()}")
                 errors["grad"] = (grad - want_local_grad).abs().max().item() if grad.numel() else 0.0
                 errors["metrics"] = max(
-                    (0.0 if metrics[k] == want_metrics[k] else (metrics[k].float() - want_metrics[k].float()).abs().item()
-                     for k in want_metrics), default=0.0)
+                    (
+                        0.0
+                        if metrics[k] == want_metrics[k]
+                        else (metrics[k].float() - want_metrics[k].float()).abs().item()
+                        for k in want_metrics
+                    ),
+                    default=0.0,
+                )
                 report.append((label, errors, got.item()))
     return report
 
@@ -158,5 +189,7 @@ if __name__ == "__main__":  # the parity table: max |error| of loss, metrics and
         loss = max(p[1]["loss"] for p in rows if isinstance(p, tuple))
         grad = max(p[1]["grad"] for p in rows if isinstance(p, tuple))
         metric = max(p[1]["metrics"] for p in rows if isinstance(p, tuple))
-        print(f"tp={tp} cp={cp}: {len(rows) - len(problems)} case-rank runs, max |loss err| {loss:.2e}, "
-              f"max |metric err| {metric:.2e}, max |grad err| {grad:.2e}, problems {problems}")
+        print(
+            f"tp={tp} cp={cp}: {len(rows) - len(problems)} case-rank runs, max |loss err| {loss:.2e}, "
+            f"max |metric err| {metric:.2e}, max |grad err| {grad:.2e}, problems {problems}"
+        )

@@ -20,11 +20,21 @@ def _on_ranks(rank: int, world: int):
     student = torch.zeros(2, 4, 6)  # S_local = 4: 2 ranks cover 8 >= 7 positions
     group = dist.group.WORLD
     return [
-        reconstruct_opd_full_teacher_logits(hidden, teacher_payload="hidden_states", student_logits=student,
-                                            vocab_parallel_rank=0, context_parallel_group=group,
-                                            teacher_output_layer_weight_by_index={0: weight}),
-        reconstruct_opd_full_teacher_logits(logits, teacher_payload="logits", student_logits=student,
-                                            vocab_parallel_rank=0, context_parallel_group=group),
+        reconstruct_opd_full_teacher_logits(
+            hidden,
+            teacher_payload="hidden_states",
+            student_logits=student,
+            vocab_parallel_rank=0,
+            context_parallel_group=group,
+            teacher_output_layer_weight_by_index={0: weight},
+        ),
+        reconstruct_opd_full_teacher_logits(
+            logits,
+            teacher_payload="logits",
+            student_logits=student,
+            vocab_parallel_rank=0,
+            context_parallel_group=group,
+        ),
     ]
 
 

@@ -155,7 +155,9 @@ def pg_cases(draw) -> Case:
         cfg["ratio_clip_c"] = draw(st.sampled_from([None, 1.5, 3.0]))
     if draw(st.booleans()):
         cfg["use_importance_sampling_correction"] = True
-        tis = draw(st.sampled_from([None, "tis", "icepop", "seq-mask-tis"] if mode != "gspo" else [None, "tis", "icepop"]))
+        tis = draw(
+            st.sampled_from([None, "tis", "icepop", "seq-mask-tis"] if mode != "gspo" else [None, "tis", "icepop"])
+        )
         if tis is not None:
             cfg["truncated_importance_sampling_type"] = tis
             cfg["truncated_importance_sampling_ratio"] = draw(st.sampled_from([1.0, 1.2, 2.0]))
@@ -204,15 +206,27 @@ CASE_STRATEGIES = {"pg": pg_cases, "nll": nll_cases, "dpo": dpo_cases, "distill"
 
 # One fixed case per family (deterministic tests).
 FIXED = {
-    "pg": Case("pg", ClippedPGLossFn({"reference_policy_kl_penalty": 0.1, "ratio_clip_c": 3.0,
-                                      "use_importance_sampling_correction": True,
-                                      "truncated_importance_sampling_type": "tis",
-                                      "truncated_importance_sampling_ratio": 1.5}),
-               TrainingSamplingParams(top_k=5, top_p=0.9), label="grpo dual-clip tis top-k/p"),
+    "pg": Case(
+        "pg",
+        ClippedPGLossFn(
+            {
+                "reference_policy_kl_penalty": 0.1,
+                "ratio_clip_c": 3.0,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": 1.5,
+            }
+        ),
+        TrainingSamplingParams(top_k=5, top_p=0.9),
+        label="grpo dual-clip tis top-k/p",
+    ),
     "nll": Case("nll", NLLLossFn(), label="nll"),
     "dpo": Case("dpo", DPOLossFn({"sft_loss_weight": 0.5, "preference_average_log_probs": True}), label="dpo+sft"),
-    "distill": Case("distill", DistillationLossFn({"kl_type": "mixed", "mixed_kl_weight": 0.3,
-                                                   "zero_outside_topk": True}), label="distill mixed zero-outside"),
+    "distill": Case(
+        "distill",
+        DistillationLossFn({"kl_type": "mixed", "mixed_kl_weight": 0.3, "zero_outside_topk": True}),
+        label="distill mixed zero-outside",
+    ),
     "mse": Case("mse", MseValueLossFn({"cliprange": 0.2, "scale": 2.0}), label="mse clipped"),
 }
 
@@ -263,8 +277,9 @@ BUCKETS = [
 
 
 @st.composite
-def packings(draw, pairs: bool = False, widths=(1, 2, 3, 5, 6, 8, 8), max_rows: int = 4,
-             min_len: int = 0, buckets=BUCKETS) -> Packing:
+def packings(
+    draw, pairs: bool = False, widths=(1, 2, 3, 5, 6, 8, 8), max_rows: int = 4, min_len: int = 0, buckets=BUCKETS
+) -> Packing:
     """Random packings: 1–4 sequences (an even number for pairs), zero-length ones, per-sequence
     padding, Megatron's bin padding absorbed into the last sequence (`L > S`), and a bucket.
     The structure comes from a `Random` seeded by hypothesis, so examples spread evenly
@@ -272,8 +287,10 @@ def packings(draw, pairs: bool = False, widths=(1, 2, 3, 5, 6, 8, 8), max_rows: 
     rnd = random.Random(draw(st.integers(0, 2**31 - 1)))
     rows = 2 * rnd.randint(1, max_rows // 2) if pairs else rnd.randint(1, max_rows)
     width = rnd.choice(widths)
-    lengths = [rnd.randint(max(min_len, width // 2), width) if rnd.random() < 0.8 else rnd.randint(min_len, width)
-               for _ in range(rows)]
+    lengths = [
+        rnd.randint(max(min_len, width // 2), width) if rnd.random() < 0.8 else rnd.randint(min_len, width)
+        for _ in range(rows)
+    ]
     pads = [rnd.choice([0, 0, 1, 2, 3]) for _ in range(rows)]
     if rnd.random() < 0.25:
         lengths[-1] += rnd.randint(1, 3)
@@ -405,7 +422,9 @@ def combine(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         for key, value in part.items():
             how = aggregation(key)
             if key not in out:
-                out[key] = math.inf if how == "min" else -math.inf if how == "max" else torch.zeros((), dtype=torch.float64)
+                out[key] = (
+                    math.inf if how == "min" else -math.inf if how == "max" else torch.zeros((), dtype=torch.float64)
+                )
             if how == "sum":
                 out[key] = out[key] + torch.as_tensor(value).detach().double()
                 continue
@@ -449,8 +468,12 @@ def assert_metrics_equal(got: dict, want: dict, equal_nan: bool = False, what: s
     assert sorted(got) == sorted(want), f"{what} metric keys: got {sorted(got)}, want {sorted(want)}"
     for key in want:
         torch.testing.assert_close(
-            torch.as_tensor(got[key]).float(), torch.as_tensor(want[key]).float(), rtol=RTOL, atol=ATOL,
-            equal_nan=equal_nan, msg=lambda m, k=key: f"{what} metric {k!r}: {m}",
+            torch.as_tensor(got[key]).float(),
+            torch.as_tensor(want[key]).float(),
+            rtol=RTOL,
+            atol=ATOL,
+            equal_nan=equal_nan,
+            msg=lambda m, k=key: f"{what} metric {k!r}: {m}",
         )
 
 
@@ -463,8 +486,7 @@ def real_slots(packing: Packing, tokens: int) -> torch.Tensor:
     return keep
 
 
-def run_wrapper(case: Case, wrapper_cls, packing: Packing, logits: torch.Tensor, data: dict, gs, gt,
-                call=None):
+def run_wrapper(case: Case, wrapper_cls, packing: Packing, logits: torch.Tensor, data: dict, gs, gt, call=None):
     """(loss, metrics, grad w.r.t. the packed logits) of one packing wrapper."""
     fused = wrapper_cls is SequencePackingFusionLossWrapper
     wrapper = wrapper_cls(case.loss_fn, case.prepare(fused), packing.cu, packing.cu_padded, bucket=packing.bucket)
@@ -474,13 +496,25 @@ def run_wrapper(case: Case, wrapper_cls, packing: Packing, logits: torch.Tensor,
 
 
 def layout_tokens(case: Case, packing: Packing) -> int:
-    wrapper = SequencePackingLossWrapper(case.loss_fn, prepare_loss_input, packing.cu, packing.cu_padded,
-                                         bucket=packing.bucket)
+    wrapper = SequencePackingLossWrapper(
+        case.loss_fn, prepare_loss_input, packing.cu, packing.cu_padded, bucket=packing.bucket
+    )
     return wrapper.layout.tokens
 
 
-def check_against_oracle(case: Case, packing: Packing, logits: torch.Tensor, data: dict, gs, gt, *,
-                         equal_nan: bool = False, call=None, wrappers=WRAPPERS, parts=("values", "extrema")) -> None:
+def check_against_oracle(
+    case: Case,
+    packing: Packing,
+    logits: torch.Tensor,
+    data: dict,
+    gs,
+    gt,
+    *,
+    equal_nan: bool = False,
+    call=None,
+    wrappers=WRAPPERS,
+    parts=("values", "extrema"),
+) -> None:
     """Both packing wrappers == the per-sequence oracle: loss, every metric, the gradient at
     real positions; exactly zero gradient at every slot holding no real token. `parts`
     picks what is compared: "values" (loss, gradients, summed metrics, the key set) and/or
@@ -492,8 +526,13 @@ def check_against_oracle(case: Case, packing: Packing, logits: torch.Tensor, dat
 
     def close(got, expected, what, atol=ATOL):
         try:
-            torch.testing.assert_close(torch.as_tensor(got).float(), torch.as_tensor(expected).float(), rtol=RTOL,
-                                       atol=atol, equal_nan=equal_nan)
+            torch.testing.assert_close(
+                torch.as_tensor(got).float(),
+                torch.as_tensor(expected).float(),
+                rtol=RTOL,
+                atol=atol,
+                equal_nan=equal_nan,
+            )
         except AssertionError as e:
             if torch.as_tensor(got).numel() == 1:
                 problems.append(f"{what}: library {float(got)!r} vs oracle {float(expected)!r}")

@@ -69,9 +69,15 @@ def _restored(path, cfg) -> tuple[dict, list[str]]:
     """The state a run of `cfg` holds after loading `path`, and the changes it names."""
     run = build_run(cfg, init_parallel(cfg.parallel))
     step, history, changes = load_checkpoint(str(path), run)
-    state = {"step": step, "history": history, "policy": run.policy.state_dict(),
-             "reference": run.reference.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers],
-             "python_rng": run.rollouts.rng.getstate(), "torch_rng": torch.get_rng_state()}
+    state = {
+        "step": step,
+        "history": history,
+        "policy": run.policy.state_dict(),
+        "reference": run.reference.state_dict(),
+        "optimizers": [o.state_dict() for o in run.optimizers],
+        "python_rng": run.rollouts.rng.getstate(),
+        "torch_rng": torch.get_rng_state(),
+    }
     return state, changes
 
 
@@ -109,8 +115,8 @@ def test_a_truncated_checkpoint_is_refused(trained, tmp_path_factory):
         path = _damaged(tmp_path_factory, intact[: int(fraction * len(intact))])
         assert _refusal(path, cfg) in (
             f"run.resume={str(path)!r}: the file is empty",
-            f"run.resume={str(path)!r}: torch.load cannot read it (a truncated, corrupt or foreign file: "
-            "RuntimeError)")
+            f"run.resume={str(path)!r}: torch.load cannot read it (a truncated, corrupt or foreign file: RuntimeError)",
+        )
 
     run()
 
@@ -144,8 +150,14 @@ def test_flipped_bytes_restore_the_intact_state_or_are_refused(trained, tmp_path
 @st.composite
 def config_changes(draw):
     """1–3 changes, at most one per loss / draft option and one per other key."""
-    return draw(st.lists(st.sampled_from(CHANGES), min_size=1, max_size=3,
-                         unique_by=lambda c: c[0] if c[0] in ("loss", "draft") else c[:2]))
+    return draw(
+        st.lists(
+            st.sampled_from(CHANGES),
+            min_size=1,
+            max_size=3,
+            unique_by=lambda c: c[0] if c[0] in ("loss", "draft") else c[:2],
+        )
+    )
 
 
 def _changed(cfg, changes):
@@ -167,7 +179,7 @@ def test_random_config_changes_restore_the_intact_state_or_are_refused_naming_ea
         if any(keys.values()):
             prefix = f"run.resume={str(good)!r} was written by a run this config cannot continue: "
             assert message.startswith(prefix), message
-            named = message[len(prefix):].split(" (checkpoint -> this run)")[0].split(", ")
+            named = message[len(prefix) :].split(" (checkpoint -> this run)")[0].split(", ")
             assert [item.split(" ")[0] for item in named] == sorted(k for k, refused in keys.items() if refused)
         else:
             got, named = _restored(good, _changed(cfg, changes))
@@ -177,8 +189,9 @@ def test_random_config_changes_restore_the_intact_state_or_are_refused_naming_ea
     run()
 
 
-def test_a_random_schedule_resumes_or_is_refused_when_it_rewrites_trained_steps_or_trains_nothing(trained,
-                                                                                                 tmp_path_factory):
+def test_a_random_schedule_resumes_or_is_refused_when_it_rewrites_trained_steps_or_trains_nothing(
+    trained, tmp_path_factory
+):
     """A checkpoint at step `done` of a run with a `warm`-step warm start, resumed with
     `sft_steps` and `steps`: refused exactly when a step it trained would change phase (warm
     start or loss) or when nothing is left to train."""
@@ -186,8 +199,9 @@ def test_a_random_schedule_resumes_or_is_refused_when_it_rewrites_trained_steps_
     path = tmp_path_factory.getbasetemp() / "schedule" / "step.pt"
 
     def schedule(sft_steps, steps):  # (saving off: run.save_every may not exceed the steps)
-        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sft_steps=sft_steps, steps=steps,
-                                                                save_every=0))
+        return dataclasses.replace(
+            cfg, run=dataclasses.replace(cfg.run, sft_steps=sft_steps, steps=steps, save_every=0)
+        )
 
     @hyp(30)
     @given(st.integers(0, 3), st.integers(1, 7), st.integers(0, 3), st.integers(1, 4))
@@ -196,11 +210,14 @@ def test_a_random_schedule_resumes_or_is_refused_when_it_rewrites_trained_steps_
         message = _refusal(written, schedule(sft_steps, steps))
         rewrites = any((j <= warm) != (j <= sft_steps) for j in range(1, done + 1))
         if rewrites:
-            assert message.startswith(f"run.resume={str(written)!r} is at step {done} of a run with a warm start of "
-                                      f"{warm} steps; run.sft_steps={sft_steps} would change the phase"), message
+            assert message.startswith(
+                f"run.resume={str(written)!r} is at step {done} of a run with a warm start of "
+                f"{warm} steps; run.sft_steps={sft_steps} would change the phase"
+            ), message
         elif done >= sft_steps + steps:
-            assert message.startswith(f"run.resume={str(written)!r} is at step {done}; this run ends at step "
-                                      f"{sft_steps + steps}"), message
+            assert message.startswith(
+                f"run.resume={str(written)!r} is at step {done}; this run ends at step {sft_steps + steps}"
+            ), message
         else:
             assert message is None
         written.unlink()

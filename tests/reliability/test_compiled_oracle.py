@@ -49,24 +49,51 @@ def compiled_call():
     global COMPILED_CALL
     torch._dynamo.reset()
     COMPILED_CALL = torch.compile(_call, backend=counting_aot_eager, fullgraph=True)
-    with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096,
-                                    fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=False):
+    with torch._dynamo.config.patch(
+        recompile_limit=256,
+        accumulated_recompile_limit=4096,
+        fail_on_recompile_limit_hit=True,
+        automatic_dynamic_shapes=False,
+    ):
         yield
     torch._dynamo.reset()
 
 
 CASES = {
     **FIXED,
-    "gspo_seq_tis": Case("pg", ClippedPGLossFn({
-        "token_level_loss": False, "sequence_level_importance_ratios": True, "reference_policy_kl_penalty": 0.05,
-        "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-        "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5}),
-        TrainingSamplingParams(top_p=0.8), label="gspo icepop top-p"),
-    "seq_filter_seq_mask_tis": Case("pg", ClippedPGLossFn({
-        "force_on_policy_ratio": True, "seq_logprob_error_in_loss": True, "use_importance_sampling_correction": True,
-        "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.5,
-        "truncated_importance_sampling_ratio_min": 0.5, "reference_policy_kl_penalty": 0.1,
-        "use_on_policy_kl_approximation": True}, seq_logprob_error_threshold=1.5), label="seq filter seq-mask-tis"),
+    "gspo_seq_tis": Case(
+        "pg",
+        ClippedPGLossFn(
+            {
+                "token_level_loss": False,
+                "sequence_level_importance_ratios": True,
+                "reference_policy_kl_penalty": 0.05,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 0.5,
+            }
+        ),
+        TrainingSamplingParams(top_p=0.8),
+        label="gspo icepop top-p",
+    ),
+    "seq_filter_seq_mask_tis": Case(
+        "pg",
+        ClippedPGLossFn(
+            {
+                "force_on_policy_ratio": True,
+                "seq_logprob_error_in_loss": True,
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.5,
+                "truncated_importance_sampling_ratio_min": 0.5,
+                "reference_policy_kl_penalty": 0.1,
+                "use_on_policy_kl_approximation": True,
+            },
+            seq_logprob_error_threshold=1.5,
+        ),
+        label="seq filter seq-mask-tis",
+    ),
 }
 NAMES = list(CASES)
 

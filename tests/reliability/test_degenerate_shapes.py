@@ -34,8 +34,9 @@ PATHS = ("unpacked",) + tuple(w.__name__ for w in WRAPPERS)
 
 
 def _unpacked(case, logits, data, gs, gt):
-    loss, metrics = wrap_loss_fn_with_input_preparation(logits, data, gs, gt, loss_fn=case.loss_fn,
-                                                        prepare_fn=case.prepare(False))
+    loss, metrics = wrap_loss_fn_with_input_preparation(
+        logits, data, gs, gt, loss_fn=case.loss_fn, prepare_fn=case.prepare(False)
+    )
     return loss, metrics, grad_of(loss, logits)
 
 
@@ -97,8 +98,7 @@ def test_one_token_rows_packed(family, bucket_width):
     log-prob losses are exactly 0 with zero gradient and ±inf extrema."""
     case = FIXED[family]
     lengths = (1, 0, 1, 3) if family == "dpo" else (1, 0, 3)
-    packing = Packing(lengths, (1,) * len(lengths), 1, BucketGrid(tokens=8, rows=2, width=bucket_width), True,
-                      seed=5)
+    packing = Packing(lengths, (1,) * len(lengths), 1, BucketGrid(tokens=8, rows=2, width=bucket_width), True, seed=5)
     data = make_data(family, packing.rows, 1, packing.seed)
     data["token_mask"].fill_(1)
     data["sample_mask"].fill_(1)
@@ -137,8 +137,13 @@ def test_zero_length_sequences_packed(family):
     check_against_oracle(case, packing, logits, data, gs, gt)
 
 
-ALL_MASKED = [(f, p, how) for f in FAMILIES for p in PATHS for how in ("sample_mask", "token_mask")
-              if not (f == "dpo" and how == "token_mask")]  # DPO's reward ignores token_mask=0: loss log 2
+ALL_MASKED = [
+    (f, p, how)
+    for f in FAMILIES
+    for p in PATHS
+    for how in ("sample_mask", "token_mask")
+    if not (f == "dpo" and how == "token_mask")
+]  # DPO's reward ignores token_mask=0: loss log 2
 
 
 @pytest.mark.parametrize("family,path,how", ALL_MASKED, ids=[f"{f}-{p}-{h}" for f, p, h in ALL_MASKED])
@@ -182,7 +187,8 @@ def test_single_sequence(family):
     for wrapper_cls in WRAPPERS:
         got, got_metrics, got_grad = run_wrapper(case, wrapper_cls, packing, logits, data, gs, gt)
         want, want_metrics = wrap_loss_fn_with_input_preparation(
-            logits[:, :5], data, gs, gt, loss_fn=case.loss_fn, prepare_fn=case.prepare(False))
+            logits[:, :5], data, gs, gt, loss_fn=case.loss_fn, prepare_fn=case.prepare(False)
+        )
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
         assert_metrics_equal(got_metrics, want_metrics, what=wrapper_cls.__name__)
         torch.testing.assert_close(got_grad[:, :5], grad_of(want, logits)[:, :5], rtol=RTOL, atol=GRAD_ATOL)

@@ -51,8 +51,15 @@ BAD_IDS = {0: -1, 1: VOCAB + 7, 2: -1, 3: VOCAB}  # integer stand-ins, by HOSTIL
 # Which `[B, S, ...]` data keys align with which token_mask column: data[t] is read with the
 # mask of column t + shift (ref §1.2; DPO's reference log-probs are pre-rolled, §4.4; the
 # teacher's top-k at t predicts token t+1, §8.9; the value loss reads per-position, §4.7).
-FLOAT_KEYS = ("advantages", "prev_logprobs", "generation_logprobs", "reference_policy_logprobs",
-              "returns", "values", "teacher_topk_logits")
+FLOAT_KEYS = (
+    "advantages",
+    "prev_logprobs",
+    "generation_logprobs",
+    "reference_policy_logprobs",
+    "returns",
+    "values",
+    "teacher_topk_logits",
+)
 
 
 def shift_of(family: str, key: str) -> int:
@@ -199,11 +206,13 @@ def test_hostile_values_outside_masks_change_nothing(site, family):
                 assert count > 0, f"nothing injected at {site}"
                 what = f"{wrapper_cls.__name__} with {value} at {site}"
                 got, got_metrics, got_grad = run_wrapper(case, wrapper_cls, packing, logits, dirty, gs, gt)
-                torch.testing.assert_close(got.detach(), want.detach(), rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"{what}: loss {m}")
+                torch.testing.assert_close(
+                    got.detach(), want.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: loss {m}"
+                )
                 assert_metrics_equal(got_metrics, want_metrics, what=what)
-                torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"{what}: gradient {m}")
+                torch.testing.assert_close(
+                    got_grad, want_grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: gradient {m}"
+                )
 
     run()
 
@@ -238,8 +247,11 @@ def inject_inside(family: str, rnd: random.Random, packing, logits: torch.Tensor
                     data_spots += [(k, i, t) for k in READ_KEYS[family]]
             elif t + 1 < n and tm[i, t + 1] > 0 and sm[i] > 0:
                 evaluated_slots.append(cup[i] + t)
-                data_spots += [(k, i, t + 1 - shift) for k in READ_KEYS[family]
-                               for shift in [1 if (k == "teacher_topk_logits" or family == "dpo") else 0]]
+                data_spots += [
+                    (k, i, t + 1 - shift)
+                    for k in READ_KEYS[family]
+                    for shift in [1 if (k == "teacher_topk_logits" or family == "dpo") else 0]
+                ]
     spots = [("logits", s) for s in evaluated_slots] + [("data", d) for d in data_spots]
     if not spots:
         return None
@@ -258,9 +270,11 @@ def inject_inside(family: str, rnd: random.Random, packing, logits: torch.Tensor
 
 
 def _inside_examples(family):
-    return st.tuples(CASE_STRATEGIES[family](),
-                     packings(pairs=family == "dpo", widths=(2, 3, 5, 8), min_len=2),
-                     st.integers(0, 2**31 - 1))
+    return st.tuples(
+        CASE_STRATEGIES[family](),
+        packings(pairs=family == "dpo", widths=(2, 3, 5, 8), min_len=2),
+        st.integers(0, 2**31 - 1),
+    )
 
 
 def _check_inside(family, example, parts):
@@ -324,7 +338,13 @@ def test_hostile_values_inside_masks_extrema_follow_the_unpacked_evaluation(fami
         for wrapper_cls in WRAPPERS:
             _, got, _ = run_wrapper(case, wrapper_cls, packing, logits, dirty, gs, gt)
             for key in (k for k in want if aggregation(k) != "sum"):
-                torch.testing.assert_close(got[key], want[key], equal_nan=True, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, k=key: f"{wrapper_cls.__name__} {k}: {m}")
+                torch.testing.assert_close(
+                    got[key],
+                    want[key],
+                    equal_nan=True,
+                    rtol=RTOL,
+                    atol=ATOL,
+                    msg=lambda m, k=key: f"{wrapper_cls.__name__} {k}: {m}",
+                )
 
     run()

@@ -53,8 +53,12 @@ def test_unpacked_path_equals_per_sequence_oracle(family):
     rows laid out packed (loss, metrics, gradient)."""
 
     @hyp(15)
-    @given(CASE_STRATEGIES[family](), st.integers(1, 2).map(lambda n: 2 * n) if family == "dpo" else st.integers(1, 4),
-           st.sampled_from([1, 2, 4, 6]), st.integers(0, 2**16))
+    @given(
+        CASE_STRATEGIES[family](),
+        st.integers(1, 2).map(lambda n: 2 * n) if family == "dpo" else st.integers(1, 4),
+        st.sampled_from([1, 2, 4, 6]),
+        st.integers(0, 2**16),
+    )
     def run(case, rows, width, seed):
         data = make_data(family, rows, width, seed)
         gs, gt = global_counts(family, data, [width] * rows)

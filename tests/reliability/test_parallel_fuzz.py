@@ -89,10 +89,17 @@ def _wrapper(case, which: str, packing: Packing, tp_group=None, cp_group=None):
     groups = dict(vocab_parallel_group=tp_group, context_parallel_group=cp_group)
     if which == "unpacked":
         return lambda logits, data, gs, gt: wrap_loss_fn_with_input_preparation(
-            logits, data, gs, gt, loss_fn=case.loss_fn, prepare_fn=case.prepare(False), **groups)
+            logits, data, gs, gt, loss_fn=case.loss_fn, prepare_fn=case.prepare(False), **groups
+        )
     cls = {w.__name__: w for w in WRAPPERS}[which]
-    return cls(case.loss_fn, case.prepare(which == "SequencePackingFusionLossWrapper"), packing.cu,
-               packing.cu_padded, bucket=packing.bucket, **groups)
+    return cls(
+        case.loss_fn,
+        case.prepare(which == "SequencePackingFusionLossWrapper"),
+        packing.cu,
+        packing.cu_padded,
+        bucket=packing.bucket,
+        **groups,
+    )
 
 
 def _on_ranks(rank: int, world: int, examples: list) -> tuple[int, list[str]]:
@@ -114,8 +121,13 @@ def _on_ranks(rank: int, world: int, examples: list) -> tuple[int, list[str]]:
                     torch.testing.assert_close(got.detach(), want.detach(), **TOL)
                     assert sorted(metrics) == sorted(want_metrics), (sorted(metrics), sorted(want_metrics))
                     for key in want_metrics:
-                        torch.testing.assert_close(metrics[key].float(), want_metrics[key].float(), **TOL,
-                                                   equal_nan=True, msg=lambda m, k=key: f"metric {k}: {m}")
+                        torch.testing.assert_close(
+                            metrics[key].float(),
+                            want_metrics[key].float(),
+                            **TOL,
+                            equal_nan=True,
+                            msg=lambda m, k=key: f"metric {k}: {m}",
+                        )
                     torch.testing.assert_close(grad_of(got, local), want_grad, **TOL)
                 except AssertionError as e:
                     problems.append(f"{label}: {str(e).splitlines()[0]}")

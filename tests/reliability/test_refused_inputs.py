@@ -69,11 +69,23 @@ def test_bad_chunk_size_refused(where, chunk):
     if where == "prepare_loss_input":
         assert_refused(prepare_loss_input, logits, data, NLLLossFn(), chunk_size=chunk, names="chunk_size")
     elif where == "prepare_packed_loss_input":
-        assert_refused(prepare_packed_loss_input, logits.reshape(1, 8, VOCAB), data, NLLLossFn(), (0, 4, 8),
-                       chunk_size=chunk, names="chunk_size")
+        assert_refused(
+            prepare_packed_loss_input,
+            logits.reshape(1, 8, VOCAB),
+            data,
+            NLLLossFn(),
+            (0, 4, 8),
+            chunk_size=chunk,
+            names="chunk_size",
+        )
     else:
-        assert_refused(vocab_reduce, logits.reshape(8, VOCAB), torch.zeros(8, 1, dtype=torch.long),
-                       chunk_size=chunk, names="chunk_size")
+        assert_refused(
+            vocab_reduce,
+            logits.reshape(8, VOCAB),
+            torch.zeros(8, 1, dtype=torch.long),
+            chunk_size=chunk,
+            names="chunk_size",
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,8 +128,9 @@ def test_bad_cu_seqlens_refused(bad, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("bad", [b for b in BAD_BOUNDARIES if b != "None"] + ["shorter than true lengths", "wrong count"],
-                         ids=str)
+@pytest.mark.parametrize(
+    "bad", [b for b in BAD_BOUNDARIES if b != "None"] + ["shorter than true lengths", "wrong count"], ids=str
+)
 def test_bad_cu_seqlens_padded_refused(bad, kind):
     """Malformed cu_seqlens_q_padded: ValueError/TypeError naming cu_seqlens_q_padded."""
     value = {"shorter than true lengths": (0, 2, 7), "wrong count": (0, 3, 7, 9)}.get(bad) or BAD_BOUNDARIES[bad]
@@ -131,8 +144,9 @@ def test_packed_logits_too_short_refused(kind):
     wrapper_cls = {w.__name__: w for w in WRAPPERS}[kind]
     prepare = prepare_packed_loss_input if kind == "SequencePackingFusionLossWrapper" else prepare_loss_input
     wrapper = wrapper_cls(NLLLossFn(), prepare, (0, 3, 7), (0, 4, 9))
-    assert_refused(wrapper, torch.randn(1, 8, VOCAB), data, torch.tensor(2.0), torch.tensor(4.0),
-                   names="next_token_logits")
+    assert_refused(
+        wrapper, torch.randn(1, 8, VOCAB), data, torch.tensor(2.0), torch.tensor(4.0), names="next_token_logits"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -171,7 +185,8 @@ for _cfg_cls, _loss_cls in CONFIGS:
 
 
 @pytest.mark.parametrize(
-    "cfg_cls,loss_cls,field,label,value", CONFIG_CASES,
+    "cfg_cls,loss_cls,field,label,value",
+    CONFIG_CASES,
     ids=[f"{c.__name__}.{f}={label}" for c, _, f, label, _ in CONFIG_CASES],
 )
 def test_bad_config_value_refused(cfg_cls, loss_cls, field, label, value):
@@ -181,8 +196,9 @@ def test_bad_config_value_refused(cfg_cls, loss_cls, field, label, value):
     assert_refused(loss_cls, {field: value}, names=field)
 
 
-@pytest.mark.parametrize("label,value", [("nan", math.nan), ("inf", math.inf), ("negative", -1.0),
-                                         ("string", "2.0")], ids=str)
+@pytest.mark.parametrize(
+    "label,value", [("nan", math.nan), ("inf", math.inf), ("negative", -1.0), ("string", "2.0")], ids=str
+)
 def test_bad_seq_logprob_error_threshold_refused(label, value):
     """seq_logprob_error_threshold NaN / inf / negative / string: refused, naming it."""
     cfg = {"force_on_policy_ratio": True, "seq_logprob_error_in_loss": True}
@@ -195,9 +211,11 @@ def test_bad_draft_token_chunk_size_refused(value):
     assert_refused(DraftCrossEntropyLossFn, token_chunk_size=value, names="token_chunk_size")
 
 
-SAMPLING_CASES = [("top_k", v) for v in (math.nan, 2.5, "5")] + \
-                 [("top_p", v) for v in (math.nan, math.inf, -0.5, 0.0, "0.9")] + \
-                 [("temperature", v) for v in (math.nan, math.inf, -1.0, 0.0, "1.0")]
+SAMPLING_CASES = (
+    [("top_k", v) for v in (math.nan, 2.5, "5")]
+    + [("top_p", v) for v in (math.nan, math.inf, -0.5, 0.0, "0.9")]
+    + [("temperature", v) for v in (math.nan, math.inf, -1.0, 0.0, "1.0")]
+)
 
 
 @pytest.mark.parametrize("field,value", SAMPLING_CASES, ids=[f"{f}={v!r}" for f, v in SAMPLING_CASES])
@@ -210,8 +228,13 @@ def test_bad_sampling_params_refused(field, value):
 # token ids outside the vocabulary
 # ---------------------------------------------------------------------------------------
 
-BAD_IDS = [("input_ids", VOCAB), ("input_ids", VOCAB + 5), ("input_ids", -1),
-           ("teacher_topk_indices", VOCAB), ("teacher_topk_indices", -1)]
+BAD_IDS = [
+    ("input_ids", VOCAB),
+    ("input_ids", VOCAB + 5),
+    ("input_ids", -1),
+    ("teacher_topk_indices", VOCAB),
+    ("teacher_topk_indices", -1),
+]
 
 
 @pytest.mark.parametrize("key,bad", BAD_IDS, ids=[f"{k}={v}" for k, v in BAD_IDS])
@@ -237,12 +260,25 @@ def test_odd_row_count_for_pairs_refused(path):
     """Three rows for a pairwise loss: ValueError naming the odd count and the pairing."""
     data = make_data("dpo", 3, 4, seed=7)
     if path == "unpacked":
-        fn = functools.partial(wrap_loss_fn_with_input_preparation, torch.randn(3, 4, VOCAB), data,
-                               torch.tensor(3.0), torch.tensor(6.0), loss_fn=DPOLossFn({}), prepare_fn=prepare_loss_input)
+        fn = functools.partial(
+            wrap_loss_fn_with_input_preparation,
+            torch.randn(3, 4, VOCAB),
+            data,
+            torch.tensor(3.0),
+            torch.tensor(6.0),
+            loss_fn=DPOLossFn({}),
+            prepare_fn=prepare_loss_input,
+        )
     elif path == "preference_unpacked":
-        fn = functools.partial(wrap_loss_fn_with_input_preparation, torch.randn(3, 1), data,
-                               torch.tensor(3.0), torch.tensor(6.0), loss_fn=PreferenceLossFn(),
-                               prepare_fn=prepare_loss_input)
+        fn = functools.partial(
+            wrap_loss_fn_with_input_preparation,
+            torch.randn(3, 1),
+            data,
+            torch.tensor(3.0),
+            torch.tensor(6.0),
+            loss_fn=PreferenceLossFn(),
+            prepare_fn=prepare_loss_input,
+        )
     else:
         wrapper_cls = {w.__name__: w for w in WRAPPERS}[path]
         prepare = prepare_packed_loss_input if path == "SequencePackingFusionLossWrapper" else prepare_loss_input
@@ -252,16 +288,27 @@ def test_odd_row_count_for_pairs_refused(path):
 
 
 REQUIRED = {
-    "pg": ("input_ids", "token_mask", "sample_mask", "advantages", "prev_logprobs", "generation_logprobs",
-           "reference_policy_logprobs"),
+    "pg": (
+        "input_ids",
+        "token_mask",
+        "sample_mask",
+        "advantages",
+        "prev_logprobs",
+        "generation_logprobs",
+        "reference_policy_logprobs",
+    ),
     "nll": ("input_ids", "token_mask", "sample_mask"),
     "dpo": ("input_ids", "token_mask", "sample_mask", "reference_policy_logprobs"),
     "distill": ("teacher_topk_logits", "teacher_topk_indices"),
     "mse": ("token_mask", "sample_mask", "returns", "values"),
 }
 PACKED_ONLY = {"distill": ("token_mask", "sample_mask")}  # README: required under packing
-MISSING = [(f, k, p) for f, keys in REQUIRED.items() for p in ["unpacked"] + [w.__name__ for w in WRAPPERS]
-           for k in keys + (PACKED_ONLY.get(f, ()) if p != "unpacked" else ())]
+MISSING = [
+    (f, k, p)
+    for f, keys in REQUIRED.items()
+    for p in ["unpacked"] + [w.__name__ for w in WRAPPERS]
+    for k in keys + (PACKED_ONLY.get(f, ()) if p != "unpacked" else ())
+]
 
 
 @pytest.mark.parametrize("family,key,path", MISSING, ids=[f"{f}-{k}-{p}" for f, k, p in MISSING])
@@ -274,8 +321,15 @@ def test_missing_data_key_refused(family, key, path):
     gs, gt = torch.tensor(4.0), torch.tensor(10.0)
     if path == "unpacked":
         logits = torch.randn(rows, width, case.logit_width)
-        fn = functools.partial(wrap_loss_fn_with_input_preparation, logits, data, gs, gt, loss_fn=case.loss_fn,
-                               prepare_fn=case.prepare(False))
+        fn = functools.partial(
+            wrap_loss_fn_with_input_preparation,
+            logits,
+            data,
+            gs,
+            gt,
+            loss_fn=case.loss_fn,
+            prepare_fn=case.prepare(False),
+        )
     else:
         wrapper_cls = {w.__name__: w for w in WRAPPERS}[path]
         fused = path == "SequencePackingFusionLossWrapper"

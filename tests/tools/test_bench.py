@@ -13,9 +13,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = [
-    "tokens", "vocab", "seqs", "dtype", "device", "variant", "direction", "repeat",
-    "median_ms", "min_ms", "compile_s", "peak_extra_mib", "peak_extra_rel", "logits_mib",
-    "loss", "ratio_to_a", "ratio_to_d", "status",
+    "tokens",
+    "vocab",
+    "seqs",
+    "dtype",
+    "device",
+    "variant",
+    "direction",
+    "repeat",
+    "median_ms",
+    "min_ms",
+    "compile_s",
+    "peak_extra_mib",
+    "peak_extra_rel",
+    "logits_mib",
+    "loss",
+    "ratio_to_a",
+    "ratio_to_d",
+    "status",
 ]
 VARIANTS = ["a_loop", "b_eager", "c_compiled", "d_proxy", "lp_compiled", "c_topp"]
 
@@ -23,7 +38,10 @@ VARIANTS = ["a_loop", "b_eager", "c_compiled", "d_proxy", "lp_compiled", "c_topp
 def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "tools/bench.py", "--quick", "--device", "cpu", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "targets:" in proc.stdout
@@ -31,9 +49,7 @@ def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
         reader = csv.DictReader(f)
         assert reader.fieldnames == COLUMNS
         rows = list(reader)
-    assert [(r["variant"], r["direction"]) for r in rows] == [
-        (v, d) for v in VARIANTS for d in ("fwd", "fwd+bwd")
-    ]
+    assert [(r["variant"], r["direction"]) for r in rows] == [(v, d) for v in VARIANTS for d in ("fwd", "fwd+bwd")]
     for r in rows:
         assert r["status"] == "ok"
         assert (r["tokens"], r["vocab"], r["seqs"], r["dtype"], r["device"]) == ("512", "2048", "4", "bf16", "cpu")

@@ -23,10 +23,21 @@ from compiled_loss.draft import DraftRuntimeBase
 from compiled_loss.train import build_train_step
 
 SMALL = [
-    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.prompts=4", "data.group_size=2", "data.modulus=16", "data.response_median=6",
-    "data.response_max=12", "data.prompt_terms_max=5", "packing.tokens=32", "packing.width=24", "packing.rows=4",
-    "loss=nll", "draft.num_anchors=12",
+    "model.vocab_size=96",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.prompts=4",
+    "data.group_size=2",
+    "data.modulus=16",
+    "data.response_median=6",
+    "data.response_max=12",
+    "data.prompt_terms_max=5",
+    "packing.tokens=32",
+    "packing.width=24",
+    "packing.rows=4",
+    "loss=nll",
+    "draft.num_anchors=12",
 ]
 DRAFTS = ["eagle3", "dflash"]
 # the agreement with the policy each runtime reports (EAGLE-3: step 0; DFlash: slot 1)
@@ -121,8 +132,7 @@ def test_two_hundred_micro_batches_compile_at_most_once_per_bucket(draft):
     anchors = ["draft.num_anchors=40"] if draft == "dflash" else []
     cfg = config(draft, "packing=fused", "compile.backend=aot_eager", "run.micro_batches=2", *anchors)
     policy, runtime = _models(cfg)
-    step = build_train_step(cfg, policy, torch.optim.SGD(_trainable(policy, runtime), lr=1e-3),
-                            draft_runtime=runtime)
+    step = build_train_step(cfg, policy, torch.optim.SGD(_trainable(policy, runtime), lr=1e-3), draft_runtime=runtime)
     rng = random.Random(5)
     valid_blocks = set()
     for _ in range(100):  # 2 micro-batches each

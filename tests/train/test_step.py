@@ -21,10 +21,22 @@ from compiled_loss.demo.model import TinyLM
 from compiled_loss.train import build_train_step
 
 SMALL = [
-    "model.vocab_size=96", "model.hidden_size=32", "model.num_heads=2", "model.max_positions=64",
-    "data.prompts=3", "data.group_size=2", "data.modulus=16", "data.response_median=5",
-    "data.response_max=12", "data.prompt_terms_max=5", "data.teacher_topk=4",
-    "packing.tokens=32", "packing.width=24", "packing.rows=4", "run.micro_batches=2", "run.sft_steps=0",
+    "model.vocab_size=96",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.max_positions=64",
+    "data.prompts=3",
+    "data.group_size=2",
+    "data.modulus=16",
+    "data.response_median=5",
+    "data.response_max=12",
+    "data.prompt_terms_max=5",
+    "data.teacher_topk=4",
+    "packing.tokens=32",
+    "packing.width=24",
+    "packing.rows=4",
+    "run.micro_batches=2",
+    "run.sft_steps=0",
 ]
 LOSSES = ["clipped_pg", "gspo", "cispo", "reinforce", "nll", "dpo", "distillation", "mse_value"]
 PACKINGS = ["none", "per_sequence", "fused"]
@@ -97,16 +109,27 @@ def test_the_fused_lm_head_equals_the_logits_path(loss, packing):
 
 def test_the_fused_lm_head_compiles_once_per_bucket(tmp_path):
     """Traced with the model as one graph per bucket, no graph break, no recompile."""
-    cfg = config("packing=fused", "logprob.fused_linear=true", "logprob.top_k=6", "run.steps=3",
-                 "compile.backend=aot_eager")
+    cfg = config(
+        "packing=fused", "logprob.fused_linear=true", "logprob.top_k=6", "run.steps=3", "compile.backend=aot_eager"
+    )
     summary = train(cfg, tmp_path)
     assert summary["compile_problems"] == [] and 1 <= summary["compiles"] <= summary["buckets"]
 
 
 def test_nll_learns_the_task(tmp_path):
     """50 steps of NLL on the synthetic task: a clear, asserted drop of the loss."""
-    train(config("loss=nll", "run.steps=50", "compile.backend=eager", "data.prompts=8", "data.group_size=1",
-                 "model.hidden_size=64", "optim.lr=3e-3"), tmp_path)
+    train(
+        config(
+            "loss=nll",
+            "run.steps=50",
+            "compile.backend=eager",
+            "data.prompts=8",
+            "data.group_size=1",
+            "model.hidden_size=64",
+            "optim.lr=3e-3",
+        ),
+        tmp_path,
+    )
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.4 * first, (first, last)
@@ -124,19 +147,37 @@ def test_steady_state_never_recompiles_a_warm_bucket(tmp_path):
 def test_multirun_sweep(tmp_path):
     """`-m` sweeps run every combination and write a summary per job."""
     subprocess.run(
-        [sys.executable, "-m", "compiled_loss.run", "-m", "loss=nll,dpo", "packing=none,fused", "run.steps=1",
-         "compile.enabled=false", f"hydra.sweep.dir={tmp_path}", *SMALL],
-        check=True, capture_output=True, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "compiled_loss.run",
+            "-m",
+            "loss=nll,dpo",
+            "packing=none,fused",
+            "run.steps=1",
+            "compile.enabled=false",
+            f"hydra.sweep.dir={tmp_path}",
+            *SMALL,
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
     )
     summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/summary.json"))]
     assert sorted((s["loss"], s["packing"]) for s in summaries) == [
-        ("dpo", "fused"), ("dpo", "none"), ("nll", "fused"), ("nll", "none")]
+        ("dpo", "fused"),
+        ("dpo", "none"),
+        ("nll", "fused"),
+        ("nll", "none"),
+    ]
 
 
 def test_bad_override_fails_before_a_model_is_built(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "compiled_loss.run", "loss=mse_value", "logprob.top_p=0.9", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert done.returncode != 0
     assert "logprob.top_p=0.9 applies to log-prob losses only; loss=mse_value reads logit inputs" in done.stderr
@@ -162,8 +203,11 @@ def _step_and_batch(*overrides: str):
 def test_an_odd_dpo_batch_is_refused_not_truncated():
     step, batch = _step_and_batch("loss=dpo")
     batch = {k: v[:5] for k, v in batch.items()}
-    with pytest.raises(ValueError, match=r"DPOLossFn reads \(chosen, rejected\) row pairs; the batch has an odd "
-                                         r"number of rows \(5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"DPOLossFn reads \(chosen, rejected\) row pairs; the batch has an odd "
+        r"number of rows \(5\)",
+    ):
         step(batch)
 
 

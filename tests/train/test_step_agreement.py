@@ -37,12 +37,24 @@ def _step_on_rank(rank: int, world: int, axis: str, rows: tuple[int, int]) -> st
     return "stepped"
 
 
-@pytest.mark.parametrize(("axis", "rows", "message"), [
-    ("dp", (4, 1), "the ranks of a process group disagree on the number of micro-batches (rows of the batch split "
-                   "over run.micro_batches): rank 0: 2; rank 1: 1"),
-    ("tp", (4, 3), "the ranks of a process group disagree on the batch's input_lengths (the tensor / context "
-                   "parallel ranks of a data-parallel replica read the same rows):"),
-], ids=["dp-micro-batches", "tp-rows"])
+@pytest.mark.parametrize(
+    ("axis", "rows", "message"),
+    [
+        (
+            "dp",
+            (4, 1),
+            "the ranks of a process group disagree on the number of micro-batches (rows of the batch split "
+            "over run.micro_batches): rank 0: 2; rank 1: 1",
+        ),
+        (
+            "tp",
+            (4, 3),
+            "the ranks of a process group disagree on the batch's input_lengths (the tensor / context "
+            "parallel ranks of a data-parallel replica read the same rows):",
+        ),
+    ],
+    ids=["dp-micro-batches", "tp-rows"],
+)
 def test_every_rank_raises_the_same_error(axis, rows, message):
     results = run_on_ranks(_step_on_rank, axis, rows, world_size=2, timeout=120)
     assert all(r.startswith(f"ValueError: {message}") for r in results), results

@@ -39,6 +39,8 @@ def test_a_chunk_size_below_one_is_refused(chunk):
     assert message(vocab_reduce, torch.randn(3, 4), chunk_size=chunk) == expected
     assert message(token_logprobs, torch.randn(3, 4), torch.zeros(3, dtype=torch.long), chunk_size=chunk) == expected
     assert message(prepare_loss_input, logits, data, GRPO.make_loss(), chunk_size=chunk) == expected
-    assert message(prepare_packed_loss_input, torch.randn(1, 9, 16), data, GRPO.make_loss(), (0, 4, 7),
-                   chunk_size=chunk) == expected
+    assert (
+        message(prepare_packed_loss_input, torch.randn(1, 9, 16), data, GRPO.make_loss(), (0, 4, 7), chunk_size=chunk)
+        == expected
+    )
     assert globals_for(data)  # the batch itself is valid

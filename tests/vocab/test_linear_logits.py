@@ -65,18 +65,22 @@ def test_every_loss_and_wrapper_equals_the_logits_path(case, wrapper):
     w, b = _head(1)
     h = torch.randn(len(LENGTHS), WIDTH, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
     if wrapper == "unpacked":
+
         def call(logits):
-            return wrap_loss_fn_with_input_preparation(logits, data, gs, gt, loss_fn=loss_fn,
-                                                       prepare_fn=case.prepare(packed=False))
+            return wrap_loss_fn_with_input_preparation(
+                logits, data, gs, gt, loss_fn=loss_fn, prepare_fn=case.prepare(packed=False)
+            )
     else:
         cu, cup = boundaries(LENGTHS, PADS)
         cls = SequencePackingFusionLossWrapper if wrapper == "fused" else SequencePackingLossWrapper
-        wrapped = cls(loss_fn, case.prepare(packed=wrapper == "fused"), cu, cup,
-                      bucket=BucketGrid(tokens=16, rows=2, width=8))
+        wrapped = cls(
+            loss_fn, case.prepare(packed=wrapper == "fused"), cu, cup, bucket=BucketGrid(tokens=16, rows=2, width=8)
+        )
         h = _packed_hidden(h, wrapped.layout.tokens, cup, 3)
 
         def call(logits):
             return wrapped(logits, data, gs, gt)
+
     params = (h, w, b)
     want = _loss_and_grads(call, torch.nn.functional.linear(h, w, b), params)
     got = _loss_and_grads(call, LinearLogits(h, w, b), params)
@@ -96,6 +100,7 @@ def test_bf16_stays_within_the_documented_tolerance():
 
     def call(logits):
         return wrap_loss_fn_with_input_preparation(logits, data, gs, gt, loss_fn=loss_fn, prepare_fn=prepare_loss_input)
+
     want = _loss_and_grads(call, torch.nn.functional.linear(h, w, b), (h, w, b))
     got = _loss_and_grads(call, LinearLogits(h, w, b), (h, w, b))
     torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-4)
@@ -119,11 +124,21 @@ def test_draft_teacher_from_the_lm_head(packed):
         policy = SequencePackingFusionLossWrapper(NLLLossFn(), prepare_packed_loss_input, cu, cup, bucket=grid)
         h = _packed_hidden(h, policy.layout.tokens, cup, 3)
         student = torch.randn(*h.shape[:2], len(d2t), generator=torch.Generator().manual_seed(4), requires_grad=True)
-        wrapper = DraftLossWrapper(policy, None, data, loss_weight=0.5, cu_seqlens_q=cu, cu_seqlens_q_padded=cup,
-                                   d2t=d2t, student_logits=student, bucket=grid)
+        wrapper = DraftLossWrapper(
+            policy,
+            None,
+            data,
+            loss_weight=0.5,
+            cu_seqlens_q=cu,
+            cu_seqlens_q_padded=cup,
+            d2t=d2t,
+            student_logits=student,
+            bucket=grid,
+        )
     else:
-        policy = functools.partial(wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(),
-                                   prepare_fn=prepare_loss_input)
+        policy = functools.partial(
+            wrap_loss_fn_with_input_preparation, loss_fn=NLLLossFn(), prepare_fn=prepare_loss_input
+        )
         student = torch.randn(*h.shape[:2], len(d2t), generator=torch.Generator().manual_seed(4), requires_grad=True)
         data = {**data, "student_logits": student}
         wrapper = DraftLossWrapper(policy, functools.partial(prepare_loss_input, d2t=d2t), data, loss_weight=0.5)
@@ -131,6 +146,7 @@ def test_draft_teacher_from_the_lm_head(packed):
 
     def call(logits):
         return wrapper(logits, data, gs, gt)
+
     want = _loss_and_grads(call, torch.nn.functional.linear(h, w, b), params)
     got = _loss_and_grads(call, LinearLogits(h, w, b), params)
     assert got[1]["draft_loss"] > 0
@@ -172,7 +188,8 @@ def test_no_logits_sized_tensor_exists():
 
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.05})
     wrapper = SequencePackingFusionLossWrapper(
-        loss_fn, lambda **kw: prepare_packed_loss_input(**kw, chunk_size=4), cu, cup)
+        loss_fn, lambda **kw: prepare_packed_loss_input(**kw, chunk_size=4), cu, cup
+    )
     h = torch.randn(1, tokens, H, generator=g, requires_grad=True)
     w = torch.randn(vocab, H, generator=g, requires_grad=True)
     largest = {}
@@ -205,14 +222,20 @@ def test_top_k_filtering_keeps_the_boundary_token(chunk_size):
 
 def test_where_the_logits_themselves_are_needed_it_says_so():
     h, w = torch.randn(2, 4, H), torch.randn(VOCAB, H)
-    data = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "token_mask": torch.ones(2, 4),
-            "sample_mask": torch.ones(2)}
+    data = {
+        "input_ids": torch.zeros(2, 4, dtype=torch.long),
+        "token_mask": torch.ones(2, 4),
+        "sample_mask": torch.ones(2),
+    }
     with pytest.raises(ValueError, match="MseValueLossFn \\(a LOGIT loss\\) reads the logits themselves"):
         prepare_loss_input(LinearLogits(h, w), data, MseValueLossFn())
     with pytest.raises(ValueError, match="use_fused_linear_logprobs the logits argument holds next-token log-probs"):
         prepare_loss_input(LinearLogits(h, w), data, NLLLossFn(use_fused_linear_logprobs=True))
-    with pytest.raises(ValueError, match=r"hidden must be \[..., H\] and weight \[V, H\] with the same H, got "
-                                         r"\(2, 4, 8\) and \(16, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"hidden must be \[..., H\] and weight \[V, H\] with the same H, got "
+        r"\(2, 4, 8\) and \(16, 5\)",
+    ):
         LinearLogits(h, torch.randn(VOCAB, 5))
     with pytest.raises(ValueError, match=r"bias must be \[16\], got \(3,\)"):
         LinearLogits(h, w, torch.randn(3))
@@ -230,8 +253,9 @@ def test_one_graph_when_compiled_and_when_passed_into_a_compiled_loss():
     data, _ = make_batch(case, LENGTHS, WIDTH, 0)
     gs, gt = globals_for(data)
     cu, cup = boundaries(LENGTHS, PADS)
-    wrapper = SequencePackingFusionLossWrapper(loss_fn, case.prepare(packed=True), cu, cup,
-                                               bucket=BucketGrid(tokens=16, rows=2, width=8))
+    wrapper = SequencePackingFusionLossWrapper(
+        loss_fn, case.prepare(packed=True), cu, cup, bucket=BucketGrid(tokens=16, rows=2, width=8)
+    )
     w, b = _head(1)
     h = _packed_hidden(torch.randn(len(LENGTHS), WIDTH, H), wrapper.layout.tokens, cup, 3)
 
@@ -264,17 +288,21 @@ def test_autocast_mixed_dtypes_equal_the_dense_path(wrapper):
     w, b = _head(1)
     h = torch.randn(len(LENGTHS), WIDTH, H, generator=torch.Generator().manual_seed(2))
     if wrapper == "unpacked":
+
         def call(logits):
-            return wrap_loss_fn_with_input_preparation(logits, data, gs, gt, loss_fn=loss_fn,
-                                                       prepare_fn=prepare_loss_input)
+            return wrap_loss_fn_with_input_preparation(
+                logits, data, gs, gt, loss_fn=loss_fn, prepare_fn=prepare_loss_input
+            )
     else:
         cu, cup = boundaries(LENGTHS, PADS)
-        wrapped = SequencePackingFusionLossWrapper(loss_fn, prepare_packed_loss_input, cu, cup,
-                                                   bucket=BucketGrid(tokens=16, rows=2, width=8))
+        wrapped = SequencePackingFusionLossWrapper(
+            loss_fn, prepare_packed_loss_input, cu, cup, bucket=BucketGrid(tokens=16, rows=2, width=8)
+        )
         h = _packed_hidden(h, wrapped.layout.tokens, cup, 3).detach()
 
         def call(logits):
             return wrapped(logits, data, gs, gt)
+
     h = h.bfloat16().requires_grad_()
     results = {}
     for name, make in (("dense", torch.nn.functional.linear), ("linear", LinearLogits)):
@@ -303,8 +331,9 @@ def test_mixed_dtypes_outside_autocast_are_refused_as_linear_refuses_them():
     )
     h32 = h.float().requires_grad_()
     lp = token_logprobs(LinearLogits(h32, w, dtype=torch.bfloat16), torch.arange(3))
-    torch.testing.assert_close(lp, token_logprobs(torch.nn.functional.linear(h32.bfloat16(), w.bfloat16()),
-                                                  torch.arange(3)))
+    torch.testing.assert_close(
+        lp, token_logprobs(torch.nn.functional.linear(h32.bfloat16(), w.bfloat16()), torch.arange(3))
+    )
     assert torch.autograd.grad(lp.sum(), h32)[0].dtype == torch.float32
 
 
@@ -318,8 +347,11 @@ def test_a_small_chunk_size_is_raised_to_at_most_16_chunks(monkeypatch):
     h, w = torch.randn(100, H, generator=g, requires_grad=True), torch.randn(40, H, generator=g, requires_grad=True)
     targets = torch.randint(0, 40, (100,), generator=g)
     linear, shapes = torch.nn.functional.linear, []
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, weight, bias=None: (
-        shapes.append((x.shape[0], weight.shape[0])) or linear(x, weight, bias)))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "linear",
+        lambda x, weight, bias=None: shapes.append((x.shape[0], weight.shape[0])) or linear(x, weight, bias),
+    )
     for top_k_top_p, backward in ((None, [(100, 3)] * 13 + [(100, 1)]), ((5, 1.0), [(7, 40)] * 14 + [(2, 40)])):
         want = token_logprobs(LinearLogits(h, w), targets, top_k_top_p=top_k_top_p)
         want_grads = torch.autograd.grad(want.sum(), (h, w))

@@ -22,8 +22,12 @@ def _inputs():
     teacher = torch.randn(N, V, generator=g) * 2
     index = torch.randint(0, V, (N, K), generator=g)
     threshold = logits.sort(-1).values[:, V // 3]  # keep the top two thirds of each row
-    weights = [torch.randn(N, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g),
-               torch.randn(N, generator=g)]
+    weights = [
+        torch.randn(N, generator=g),
+        torch.randn(N, K, generator=g),
+        torch.randn(N, generator=g),
+        torch.randn(N, generator=g),
+    ]
     return logits, teacher, index, threshold, weights
 
 
@@ -45,8 +49,10 @@ def _on_ranks(rank: int, world: int):
     for name, fn, kw in (("eager", vocab_reduce, {"chunk_size": 4}), ("compiled", compiled, {})):
         out[name] = _run(fn, logits[:, shard], teacher[:, shard], index, threshold, weights, group=group, **kw)
     threshold_fn = recorder.compile(sampling_threshold, fullgraph=True)
-    out["thresholds"] = [sampling_threshold(logits[:, shard], 4, 0.8, chunk_size=2, group=group),
-                         threshold_fn(logits[:, shard], 4, 0.8, group=group)]
+    out["thresholds"] = [
+        sampling_threshold(logits[:, shard], 4, 0.8, chunk_size=2, group=group),
+        threshold_fn(logits[:, shard], 4, 0.8, group=group),
+    ]
     out["topk"] = vocab_topk(logits[:, shard], 5, group)
     out["draft"] = map_teacher_logits_to_draft_vocab(teacher[None, :, shard], D2T, rank, group)[0]
     out["problems"] = recorder.report.problems()
