@@ -12,6 +12,7 @@ be) and each example only builds a run and loads, so the module takes seconds.""
 from __future__ import annotations
 
 import dataclasses
+import re
 import zipfile
 
 import pytest
@@ -113,10 +114,14 @@ def test_a_truncated_checkpoint_is_refused(trained, tmp_path_factory):
     @given(st.floats(0, 1, exclude_max=True))
     def run(fraction):
         path = _damaged(tmp_path_factory, intact[: int(fraction * len(intact))])
-        assert _refusal(path, cfg) in (
-            f"run.resume={str(path)!r}: the file is empty",
-            f"run.resume={str(path)!r}: torch.load cannot read it (a truncated, corrupt or foreign file: RuntimeError)",
-        )
+        # which exception the unpickler raises (RuntimeError, OSError, EOFError ...) depends on
+        # where the cut falls; the refusal names it, the test only needs it named
+        message = _refusal(path, cfg)
+        assert message == f"run.resume={str(path)!r}: the file is empty" or re.fullmatch(
+            re.escape(f"run.resume={str(path)!r}: torch.load cannot read it (a truncated, corrupt or foreign file: ")
+            + r"\w+\)",
+            message or "",
+        ), message
 
     run()
 
