@@ -1,5 +1,6 @@
-"""`compile_loss`: torch.compile for loss code, with the loss configs' floats kept constant
-(layer 0: the losses compile themselves with it when their config asks)."""
+"""`compile_loss`: torch.compile for loss code, with the loss configs' floats kept constant,
+and `CompiledModule`, a module called through it (layer 0: the losses compile themselves
+with `compile_loss` when their config asks; `compiled_loss.train` re-exports both)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def compile_loss(fn: Callable[..., Any], *, recorder: Any = None, **compile_kwar
             return compiled(*args, **kwargs)
 
     return run
+
+
+class CompiledModule(torch.nn.Module):
+    """`module` called through `compile_loss`, as a module: for wrappers whose own forward
+    does not trace — `DistributedDataParallel(CompiledModule(model))` runs DDP's bookkeeping
+    eagerly around one compiled graph of the model."""
+
+    def __init__(self, module: torch.nn.Module, **compile_kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._run = compile_loss(module, **compile_kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(*args, **kwargs)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from compiled_loss.demo.curves import plot_runs, read_metrics
+from compiled_loss.app.curves import plot_runs, read_metrics
 
 
 def run_dirs(paths: list[Path]) -> list[Path]:

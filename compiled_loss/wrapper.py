@@ -3,11 +3,12 @@ signatures, as frozen partial applications of the functions in `compiled_loss.pa
 and `compiled_loss.draft`.
 
 The packing wrappers build their `PackedLayout` on the host when constructed (from the
-`CpuIntTuple` boundaries); their `__call__` is `sequence_packing_loss` over it — one graph
-under torch.compile, shaped by the bucket. Keyword-only extensions of the seed signatures:
-`bucket=BucketGrid(...)` (the bucket grid; pad the data with `wrapper.layout.pad_data`
-outside the compiled region) and `device=` (build the index tensors there, so compiled
-calls copy nothing).
+`CpuIntTuple` boundaries) and convert the loss and `prepare_fn` once (the loss's
+`InputSpec`, the library's preparation); their `__call__` is the micro-batch entry point
+`micro_batch_loss` over the layout — one graph under torch.compile, shaped by the bucket.
+Keyword-only extensions of the seed signatures: `bucket=BucketGrid(...)` (the bucket grid;
+pad the data with `wrapper.layout.pad_data` outside the compiled region) and `device=`
+(build the index tensors there, so compiled calls copy nothing).
 
 `DraftLossWrapper` constructs its draft loss through this module's
 `DraftCrossEntropyLossFn` name, so patching that name works as it does in NeMo-RL.
@@ -23,19 +24,23 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from compiled_loss.draft import DraftRuntime, draft_soft_ce, packed_draft_soft_ce, with_draft_loss
-from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input
+from compiled_loss.inputs import Preparation, PrepareOptions, prepare_loss_input, prepare_packed_loss_input
+from compiled_loss.interfaces import InputSpec, LossFunction
 from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn
 from compiled_loss.metrics import _SEQ_METRIC_MAX, _SEQ_METRIC_MIN
 from compiled_loss.packing import (
     BucketGrid,
     CpuIntTuple,
     PackedLayout,
+    Prepare,
     check_cu_seqlens,
     check_inputs_agree,
+    micro_batch_loss,
+    seed_prepare,
     sequence_packing_loss,
     wrap_loss_fn_with_input_preparation,
 )
-from compiled_loss.parallel import check_agreement
+from compiled_loss.parallel import ParallelGroups, check_agreement
 from compiled_loss.vocab import DraftVocab
 
 Tensor = TypeVar("Tensor")  # seed: `nemo_rl.algorithms.loss.wrapper.Tensor`
@@ -54,24 +59,45 @@ __all__ = [
 ]
 
 
-def _packed_prepare(prepare_fn: Callable[..., Any], who: str) -> Callable[..., Any]:
-    """`prepare_loss_input` (or a partial of it) → `prepare_packed_loss_input` with the same options."""
-    keywords = {}
+def _preparation(
+    prepare_fn: Callable[..., Any],
+    loss_fn: LossFunction,
+    spec: InputSpec,
+    vocab_parallel_rank: int | None,
+    parallel: ParallelGroups,
+    cu_seqlens: tuple[CpuIntTuple, CpuIntTuple],
+    per_sequence_cp: bool,
+    who: str,
+) -> Prepare:
+    """A seed `prepare_fn` as the micro-batch entry point's `Prepare`, converted once: the
+    library's own (`prepare_loss_input` / `prepare_packed_loss_input`, or a keyword
+    `functools.partial` of either) becomes its `Preparation`, which prepares unpacked rows and
+    packed slots alike; any other function is called with the seed's keywords. Per-sequence
+    packing under context parallelism prepares each rank's slots, which only the library's
+    preparation does."""
+    func, keywords = prepare_fn, {}
     if isinstance(prepare_fn, functools.partial) and not prepare_fn.args:
-        prepare_fn, keywords = prepare_fn.func, dict(prepare_fn.keywords)
-    if prepare_fn is not prepare_loss_input:
+        func, keywords = prepare_fn.func, dict(prepare_fn.keywords)
+    if func in (prepare_loss_input, prepare_packed_loss_input) and set(keywords) <= _OPTIONS:
+        parallel = ParallelGroups.of_seed(vocab_parallel_rank, parallel.tp, parallel.cp)
+        return Preparation(loss_fn, spec, PrepareOptions(parallel, **keywords))
+    if per_sequence_cp:
         raise ValueError(
             f"{who} with context parallelism needs prepare_fn=prepare_loss_input (or a functools.partial of it): "
             f"each rank evaluates its own CP slots; got {prepare_fn!r}"
         )
-    keywords.pop("d2t", None)  # draft inputs go through DraftLossWrapper
-    return functools.partial(prepare_packed_loss_input, **keywords)
+    cu, cup = cu_seqlens
+    return seed_prepare(prepare_fn, loss_fn, vocab_parallel_rank, parallel, cu, cup)
 
 
-def _check_pairs_fit(loss_fn: Any, layout: PackedLayout, who: str) -> None:
+# the keyword options of the library's preparation functions (`PrepareOptions`)
+_OPTIONS = {"sampling_params", "chunk_size", "d2t", "teacher_output_layer_weight_by_index"}
+
+
+def _check_pairs_fit(loss_fn: LossFunction, spec: InputSpec, layout: PackedLayout, who: str) -> None:
     """Pairwise losses need an even number of REAL rows: bucket padding would otherwise
     pair the last real row with a padding row."""
-    if getattr(loss_fn, "rows_are_pairs", False) and layout.rows % 2:
+    if spec.pairs and layout.rows % 2:
         raise ValueError(
             f"{who}: {type(loss_fn).__name__} reads (chosen, rejected) row pairs, but the packing has an "
             f"odd number of sequences ({layout.rows})"
@@ -80,7 +106,7 @@ def _check_pairs_fit(loss_fn: Any, layout: PackedLayout, who: str) -> None:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _PackingWrapper:
-    loss_fn: Any
+    loss_fn: LossFunction
     prepare_fn: Callable[..., Any]
     cu_seqlens_q: CpuIntTuple
     cu_seqlens_q_padded: CpuIntTuple | None = None
@@ -91,8 +117,9 @@ class _PackingWrapper:
     bucket: BucketGrid = BucketGrid()
     device: torch.device | str | None = None
     layout: PackedLayout = dataclasses.field(init=False, repr=False)
-    _run_fused: bool = dataclasses.field(init=False, repr=False)
-    _prepare: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+    _spec: InputSpec = dataclasses.field(init=False, repr=False)
+    _parallel: ParallelGroups = dataclasses.field(init=False, repr=False)
+    _prepare: Prepare = dataclasses.field(init=False, repr=False)
 
     _fused: ClassVar[bool]
 
@@ -109,13 +136,15 @@ class _PackingWrapper:
         layout = PackedLayout.build(
             cu, cup, grid=self.bucket, device=self.device, context_parallel_group=self.context_parallel_group
         )
-        _check_pairs_fit(self.loss_fn, layout, type(self).__name__)
-        object.__setattr__(self, "layout", layout)
-        fused, prepare = self._fused, self.prepare_fn
-        if layout.shards is not None and not fused:  # per-token work on each rank's CP slots
-            fused, prepare = True, _packed_prepare(prepare, type(self).__name__)
-        object.__setattr__(self, "_run_fused", fused)
-        object.__setattr__(self, "_prepare", prepare)
+        who, spec = type(self).__name__, InputSpec.of(self.loss_fn)
+        _check_pairs_fit(self.loss_fn, spec, layout, who)
+        parallel = ParallelGroups(tp=self.vocab_parallel_group, cp=self.context_parallel_group)
+        per_sequence_cp = layout.shards is not None and not self._fused
+        prepare = _preparation(
+            self.prepare_fn, self.loss_fn, spec, self.vocab_parallel_rank, parallel, (cu, cup), per_sequence_cp, who
+        )
+        for name, value in (("layout", layout), ("_spec", spec), ("_parallel", parallel), ("_prepare", prepare)):
+            object.__setattr__(self, name, value)
 
     def __call__(
         self,
@@ -124,20 +153,17 @@ class _PackingWrapper:
         global_valid_seqs: torch.Tensor | None,
         global_valid_toks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return sequence_packing_loss(
+        return micro_batch_loss(
             next_token_logits,
             data,
             global_valid_seqs,
             global_valid_toks,
             loss_fn=self.loss_fn,
-            prepare_fn=self._prepare,
+            spec=self._spec,
+            prepare=self._prepare,
             layout=self.layout,
-            fused=self._run_fused,
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_q_padded=self.cu_seqlens_q_padded,
-            vocab_parallel_rank=self.vocab_parallel_rank,
-            vocab_parallel_group=self.vocab_parallel_group,
-            context_parallel_group=self.context_parallel_group,
+            per_sequence=not self._fused,
+            parallel=self._parallel,
         )
 
 
@@ -193,7 +219,7 @@ class DraftLossWrapper:
     device: torch.device | str | None = None
     layout: PackedLayout | None = dataclasses.field(init=False, repr=False, default=None)
     draft_vocab: DraftVocab | None = dataclasses.field(init=False, repr=False, default=None)
-    draft_loss_fn: Any = dataclasses.field(init=False, repr=False)
+    draft_loss_fn: DraftCrossEntropyLossFn = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         packed = self.cu_seqlens_q is not None

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "compiled_loss"
 
 # Layers, lowest first. A module may import its own layer and the layers before it.
@@ -21,11 +23,14 @@ LAYERS = [
     {"draft"},
     {"wrapper", "utils", "loss_functions", "loss_input"},  # the seed facades
     {"config"},
-    {"train"},
-    {"demo"},
-    {"app", "run", "plot", "conf"},
+    {"train"},  # the compiled step: usable with any model, without the demo or Hydra
+    {"demo"},  # the embedded model, task data and teachers the app trains on
+    {"app", "run", "plot", "conf"},  # the application: run loop, rollouts, checkpoints, Hydra
     {"audit"},
 ]
+
+# What each room of the application side holds (a new module there is a decision, not a drift).
+DEMO = {"__init__", "model", "data", "cross_tokenizer"}
 
 
 def _layer(room: str) -> int:
@@ -55,10 +60,24 @@ def test_imports_point_down_the_layers():
     assert upward == []
 
 
+def test_every_room_has_a_layer():
+    rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.glob("*")} - {
+        "__init__",
+        "__pycache__",
+    }
+    assert sorted(r for r in rooms if not any(r in layer for layer in LAYERS)) == []
+
+
+def test_the_demo_room_holds_models_and_data_only():
+    """The run loop, rollouts, sampler, checkpoints and curves are the app's (`compiled_loss.app`)."""
+    assert {p.stem for p in (PACKAGE / "demo").glob("*.py")} == DEMO
+
+
+@pytest.mark.slow
 def test_library_imports_without_hydra():
     code = (
         "import sys; sys.modules['hydra'] = None; sys.modules['omegaconf'] = None\n"
         "import compiled_loss.wrapper, compiled_loss.utils, compiled_loss.loss_functions, compiled_loss.loss_input\n"
-        "import compiled_loss.config, compiled_loss.train, compiled_loss.demo.loop\n"
+        "import compiled_loss.config, compiled_loss.train, compiled_loss.demo.data, compiled_loss.demo.cross_tokenizer\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -19,9 +19,9 @@ from common import message
 from ranks import run_on_ranks
 
 from compiled_loss.app import compose_config
+from compiled_loss.app.batches import annotate_cross_tokenizer, sample_batch
 from compiled_loss.config import build_draft_runtime
 from compiled_loss.demo import cross_tokenizer as demo
-from compiled_loss.demo.data import sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.loss_functions import (
     CrossTokenizerDistillationLossConfig,
@@ -243,7 +243,7 @@ def _cross_tokenizer_step(
     model = TinyLM(cfg.model)
     loss_fn = demo.build_cross_tokenizer_loss(cfg)
     batch = sample_batch(cfg.data, cfg.model.vocab_size, random.Random(0))
-    batch = demo.annotate(batch, loss_fn, demo.teacher_models(cfg), cfg)
+    batch = annotate_cross_tokenizer(batch, loss_fn, demo.teacher_models(cfg), cfg)
     batch["teacher_0_logits"] = batch["teacher_0_logits"] * 100
     batch["teacher_1_logits"] = torch.zeros_like(batch["teacher_1_logits"])
     batch = {k: v[rows] for k, v in batch.items()}
@@ -296,6 +296,7 @@ def _on_two_replicas(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_cross_tokenizer_metrics_at_two_data_parallel_replicas():
     """The means weigh every fragment alike (3.0 over fragments 1, 2, 6 — not 2.5, the mean of
     the replicas' means); an unregistered key fails alike on both ranks."""

@@ -19,9 +19,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from compiled_loss.app.curves import plot_runs, read_metrics
+from compiled_loss.app.loop import train
 from compiled_loss.app.store import load_config
-from compiled_loss.demo.curves import plot_runs, read_metrics
-from compiled_loss.demo.loop import train
 
 
 @hydra.main(version_base="1.3", config_path="pkg://compiled_loss.conf", config_name="config")

@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from compiled_loss.app.sampler import sampling_uniforms
 from compiled_loss.checks import ConfigError, require
 from compiled_loss.config import (
     DRAFT_KINDS,
@@ -43,7 +44,6 @@ from compiled_loss.config import (
 from compiled_loss.config.drafts import size_keys
 from compiled_loss.config.groups import PackingMode
 from compiled_loss.demo.model import TinyLM
-from compiled_loss.demo.sampler import sampling_uniforms
 from compiled_loss.packing import round_to_bucket
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -58,6 +58,16 @@ GROUP_SCHEMAS: dict[str, type] = {
 }
 
 
+def schema(cls: type) -> DictConfig:
+    """The structured config of `cls`, writable: OmegaConf makes the node of a frozen dataclass
+    read-only — the `loss` and `draft` options subclass their frozen loss and drafter configs —
+    which would refuse every value the YAML and the command line set; the object
+    `OmegaConf.to_object` builds from it is frozen."""
+    node = OmegaConf.structured(cls)
+    OmegaConf.set_readonly(node, False)
+    return node
+
+
 def register() -> None:
     """Register every schema in Hydra's ConfigStore (idempotent)."""
     store = ConfigStore.instance()
@@ -65,9 +75,9 @@ def register() -> None:
     for group, node in GROUP_SCHEMAS.items():
         store.store(name=f"schema_{group}", node=node)
     for option in LOSS_KINDS:
-        store.store(name=f"schema_loss_{option().name}", node=option)
+        store.store(name=f"schema_loss_{option().name}", node=schema(option))
     for option in DRAFT_KINDS:
-        store.store(name=f"schema_draft_{option().name}", node=option)
+        store.store(name=f"schema_draft_{option().name}", node=schema(option))
 
 
 register()
@@ -77,11 +87,11 @@ def _strict(cfg: DictConfig) -> None:
     """Reject keys the schemas do not declare (Hydra accepts `+group.key=` silently)."""
     for group in ("loss", "draft", *GROUP_SCHEMAS):
         node = cfg[group]
-        schema = OmegaConf.get_type(node)
+        cls = OmegaConf.get_type(node)
         try:
-            OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(node))
+            OmegaConf.merge(schema(cls), OmegaConf.to_container(node))
         except ConfigKeyError as e:
-            valid = [f.name for f in dataclasses.fields(schema)]
+            valid = [f.name for f in dataclasses.fields(cls)]
             raise ValueError(f"{group}.{e.key}: unknown key; valid keys: {valid}") from None
     top = [f.name for f in dataclasses.fields(Config)]
     extra = sorted(set(cfg) - set(top))

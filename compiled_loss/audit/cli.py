@@ -196,15 +196,17 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
     """`(bucket, args, kwargs)` for the packing wrapper (or the unpacked loss) on synthetic
     RL micro-batches with random logits (`logprob.fused_linear`: random hidden states and
     LM head, as `LinearLogits`)."""
-    from compiled_loss.config import PackingMode, build_loss, loss_family
-    from compiled_loss.demo.data import sample_batch
-    from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input
+    from compiled_loss.app.batches import sample_batch
+    from compiled_loss.config import PackingMode, loss_family
+    from compiled_loss.inputs import Preparation, PrepareOptions
+    from compiled_loss.interfaces import InputSpec
     from compiled_loss.packing import PackedLayout, pad_to_bucket, round_to_bucket
     from compiled_loss.train.step import packed_boundaries
     from compiled_loss.vocab import LinearLogits
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    loss_fn = build_loss(cfg.loss)
+    loss_fn = cfg.loss_fn
+    prepare = Preparation(loss_fn, InputSpec.of(loss_fn), PrepareOptions())
     family = loss_family(cfg.loss)
     mode, grid = cfg.packing.mode, cfg.packing.grid()
     vocab = 1 if family == "value" else cfg.model.vocab_size
@@ -224,15 +226,14 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
             data = pad_to_bucket(data, rows, round_to_bucket(rows, grid.rows, grid.per_octave), grid)
             logits = random_logits(*data["input_ids"].shape)
             bucket = tuple(logits.shape)
-            yield bucket, (logits, data, loss_fn, prepare_loss_input, None), {}
+            yield bucket, (logits, data, prepare, None), {}
         else:
             cu, cu_padded = packed_boundaries(lengths, cfg.packing.pad_to_multiple)
             layout = PackedLayout.build(cu, cu_padded, grid=grid)
             data = layout.pad_data(data)
             logits = random_logits(1, layout.tokens)
             bucket = (layout.tokens,) + tuple(data["input_ids"].shape)
-            prepare = prepare_packed_loss_input if mode == PackingMode.fused else prepare_loss_input
-            yield bucket, (logits, data, loss_fn, prepare, layout), {"fused": mode == PackingMode.fused}
+            yield bucket, (logits, data, prepare, layout), {"per_sequence": mode == PackingMode.per_sequence}
 
 
 def _random_model_outputs(batch: dict[str, Tensor], cfg, gen: torch.Generator) -> dict[str, Tensor]:
@@ -252,45 +253,43 @@ def _random_model_outputs(batch: dict[str, Tensor], cfg, gen: torch.Generator) -
     }
 
 
-def _wrapper_call(logits, data, loss_fn, prepare_fn, layout, fused: bool = False):
-    """The audited wrapper call (its backward runs after it, compiled by AOTAutograd)."""
-    from compiled_loss.packing import sequence_packing_loss, wrap_loss_fn_with_input_preparation
+def _wrapper_call(logits, data, prepare, layout, per_sequence: bool = False):
+    """The audited micro-batch (the wrappers' and the step's entry point, `micro_batch_loss`;
+    its backward runs after it, compiled by AOTAutograd)."""
+    from compiled_loss.packing import micro_batch_loss
 
     g_seqs = data["sample_mask"].sum()
     g_toks = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
-    if layout is None:
-        loss, metrics = wrap_loss_fn_with_input_preparation(
-            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn
-        )
-    else:
-        loss, metrics = sequence_packing_loss(
-            logits, data, g_seqs, g_toks, loss_fn=loss_fn, prepare_fn=prepare_fn, layout=layout, fused=fused
-        )
-    return loss, metrics
+    return micro_batch_loss(
+        logits,
+        data,
+        g_seqs,
+        g_toks,
+        loss_fn=prepare.loss_fn,
+        spec=prepare.spec,
+        prepare=prepare,
+        layout=layout,
+        per_sequence=per_sequence,
+    )
 
 
 def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
     """Drive the compiled training step (model forward + loss + backward + optimizer); with
     parallel `groups` also the model, which then compiles apart (DDP runs around it)."""
-    import copy
-
-    from compiled_loss.config import build_draft_runtime, loss_family
-    from compiled_loss.demo.data import replica_rows, rollout, sample_batch
-    from compiled_loss.demo.model import TinyLM
+    from compiled_loss.app.batches import replica_rows, rollout, sample_batch
+    from compiled_loss.app.loop import build_models
+    from compiled_loss.config import loss_family
     from compiled_loss.train import build_train_step
     from compiled_loss.train.parallel import ParallelGroups
 
     groups = groups or ParallelGroups()
-    tp, _, dp = groups.sizes
+    dp = groups.sizes[2]
     torch._dynamo.reset()
     torch.manual_seed(seed)
     rng = random.Random(seed)
     family = loss_family(cfg.loss)
-    model = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
-    reference = copy.deepcopy(model).requires_grad_(False)
-    drafter = build_draft_runtime(cfg.draft, cfg.model, model)
-    trained = [p for m in (model, drafter) if m is not None for p in m.parameters() if p.requires_grad]
-    step = build_train_step(cfg, model, torch.optim.AdamW(trained, lr=1e-3), groups, drafter)
+    models = build_models(cfg, groups)  # the run's models and drafter, as `python -m compiled_loss.run` builds them
+    step = build_train_step(cfg, models.policy, torch.optim.AdamW(models.trained(), lr=1e-3), groups, models.drafter)
     recorders = [(name, step.recorder)] + ([(f"{name} model", step.model_recorder)] if step.model_recorder else [])
     results = [Drive(label, recorder.report) for label, recorder in recorders]
     warm: list[float] = []
@@ -299,9 +298,9 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
         batch = rollout(
             replica_rows(batch, dp, groups.dp_rank),
             family,
-            policy=model,
-            reference=reference,
-            teacher=reference,
+            policy=models.policy,
+            reference=models.reference,
+            teacher=models.teacher,
             topk=cfg.data.teacher_topk,
         )
         seen = set(step.buckets)

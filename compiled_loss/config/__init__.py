@@ -3,10 +3,13 @@ config to what it describes. Plain dataclasses — the Hydra application (`compi
 registers them as schemas, and code can build them directly.
 
 - `groups`: packing, parallel, compile, logprob, optim, run, model, data;
-- `options`: option dataclasses generated from a loss's or a drafter's config;
-- `losses`: one option per loss kind, `build_loss`, `loss_family`;
-- `drafts`: `none` and one option per draft runtime, `build_draft_runtime`;
-- `root`: `Config` and its cross-group checks.
+- `options`: what the `loss` and `draft` options share (`Option`: their `name`);
+- `losses`: one option class per loss kind (its loss's config dataclass plus `name`),
+  `build_loss`, `loss_family`;
+- `drafts`: `none` and one option class per draft runtime (its config plus `name`),
+  `build_draft_runtime`;
+- `root`: `Config`, the loss it describes built once (`Config.loss_fn`), and its cross-group
+  checks.
 """
 
 from compiled_loss.config.drafts import DRAFT_KINDS, build_draft_runtime, draft_config

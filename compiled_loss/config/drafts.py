@@ -1,6 +1,5 @@
-"""The `draft` config group: `none`, and one option per draft runtime generated from the
-runtime's config dataclass (every field of it is a key, `compiled_loss.config.options`), and
-`build_draft_runtime`."""
+"""The `draft` config group: `none`, and one option class per draft runtime, each the runtime's
+config dataclass plus `name` (`compiled_loss.config.options`), and `build_draft_runtime`."""
 
 from __future__ import annotations
 
@@ -11,14 +10,40 @@ import torch
 
 from compiled_loss.checks import ConfigError, require
 from compiled_loss.config.groups import ModelConfig
-from compiled_loss.config.options import option_class, option_values
+from compiled_loss.config.options import Option, config_of, named
 from compiled_loss.draft import DraftRuntimeBase
 from compiled_loss.draft.dflash import DFlashConfig, build_dflash_runtime
 from compiled_loss.draft.eagle3 import Eagle3Config, build_eagle3_runtime
 
-NoneDraftOption = option_class("none", None, "NoneDraftOption", __name__)
-Eagle3DraftOption = option_class("eagle3", Eagle3Config, "Eagle3DraftOption", __name__)
-DflashDraftOption = option_class("dflash", DFlashConfig, "DflashDraftOption", __name__)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoneDraftOption(Option):
+    """`draft=none`: no co-trained drafter."""
+
+    name: str = "none"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3DraftOption(Eagle3Config, Option):
+    """`draft=eagle3`: the EAGLE-3 drafter; every field of `Eagle3Config` is a key."""
+
+    name: str = "eagle3"
+
+    def __post_init__(self) -> None:
+        with named(f"draft={self.name}"):
+            super().__post_init__()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DflashDraftOption(DFlashConfig, Option):
+    """`draft=dflash`: the DFlash block drafter; every field of `DFlashConfig` is a key."""
+
+    name: str = "dflash"
+
+    def __post_init__(self) -> None:
+        with named(f"draft={self.name}"):
+            super().__post_init__()
+
 
 # option class -> (its runtime config class, the runtime's builder)
 DRAFT_KINDS: dict[type, tuple[type, Any] | None] = {
@@ -34,12 +59,8 @@ def draft_config(option: Any) -> Any:
     kind = DRAFT_KINDS[type(option)]
     if kind is None:
         return None
-    values = option_values(option)
-    name = values.pop("name")
-    try:
-        return kind[0](**values)
-    except ConfigError as e:
-        raise ConfigError(f"draft={name}: {e}") from None
+    with named(f"draft={option.name}"):
+        return config_of(option, kind[0])
 
 
 def draft_vocab_map(config: Any, model: ModelConfig) -> torch.Tensor | None:

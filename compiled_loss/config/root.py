@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from compiled_loss.checks import FLOAT32, require
@@ -19,7 +20,7 @@ from compiled_loss.config.groups import (
     RunConfig,
 )
 from compiled_loss.config.losses import ClippedPgLossOption, MpoLossOption, build_loss, loss_family
-from compiled_loss.interfaces import LossInputType
+from compiled_loss.interfaces import LossFunction, LossInputType
 from compiled_loss.packing import round_to_bucket
 
 
@@ -28,17 +29,33 @@ class Config:
     """One training run: a loss and every other group (see `compiled_loss.config.groups`)."""
 
     loss: Any = None
-    """A loss option (`compiled_loss.config.losses`); None: GRPO with the reference's defaults."""
+    """A loss option (one of `compiled_loss.config.LOSS_KINDS`); None: GRPO with the reference's defaults."""
     packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)
+    """How micro-batches are laid out: padded rows or packed, and the bucket grid."""
     draft: Any = None
-    """A draft option (`compiled_loss.config.drafts`); None: no co-trained drafter."""
+    """A draft option (one of `compiled_loss.config.DRAFT_KINDS`); None: no co-trained drafter."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Tensor-, context- and data-parallel sizes."""
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    """Whether and how the training step is compiled."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The embedded policy's sizes and dtype."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """The synthetic task and the global batch."""
     logprob: LogprobConfig = dataclasses.field(default_factory=LogprobConfig)
+    """How log-probs are taken from the logits: sampling filters, temperature, chunking, fused LM head."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """AdamW and gradient clipping."""
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    """Steps, micro-batches, seed, logging and checkpoints."""
+
+    @functools.cached_property
+    def loss_fn(self) -> LossFunction:
+        """The loss `loss` describes, built once (`build_loss`): the checks below read its
+        input type, the training step runs it. Not a field, so the Hydra schema,
+        `dataclasses.fields`, equality and a checkpoint's config see only the options; a copy
+        or a pickle carries it, `dataclasses.replace` builds a new `Config` and so a new loss."""
+        return build_loss(self.loss)
 
     def __post_init__(self) -> None:
         """Cross-group checks; each group checked its own fields when it was built."""
@@ -46,7 +63,7 @@ class Config:
             self.loss = ClippedPgLossOption()
         if self.draft is None:
             self.draft = NoneDraftOption()
-        loss = build_loss(self.loss)
+        loss = self.loss_fn
         name, family = self.loss.name, loss_family(self.loss)
         logprob = self.logprob
         if loss.input_type != LossInputType.LOGPROB:

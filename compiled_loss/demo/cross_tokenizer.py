@@ -16,6 +16,7 @@ spreads evenly over all values.
 Each teacher is a frozen random-init `TinyLM` of the digit vocabulary; every teacher of
 `loss.teacher_weights` gets its own. Teacher rows are padded to `teacher_width(cfg)`, a
 width fixed by the config, so the teacher's logits never change the compiled shapes.
+The run's batches get the teachers' logits from `compiled_loss.app.batches.annotate_cross_tokenizer`.
 """
 
 from __future__ import annotations
@@ -99,23 +100,3 @@ def tokenize(input_ids: Tensor, input_lengths: Tensor, cfg: Config) -> tuple[Ten
         student_lengths.append(student)
         teacher_lengths.append([1] * len(tokens))  # every teacher token is one character
     return teacher_ids, align_tokenizations(student_lengths, teacher_lengths, width)
-
-
-@torch.no_grad()
-def annotate(
-    batch: dict[str, Tensor], loss_fn: CrossTokenizerDistillationLossFn, teachers: list[TinyLM], cfg: Config
-) -> dict[str, Tensor]:
-    """`batch` with every teacher's logits on its digit tokenization and the alignment,
-    under the loss's data keys."""
-    ids, alignment = tokenize(batch["input_ids"], batch["input_lengths"], cfg)
-    out = dict(batch)
-    for logits_key, alignment_key, teacher in zip(
-        loss_fn.teacher_logits_keys, loss_fn.teacher_alignment_keys, teachers
-    ):
-        device = next(teacher.parameters()).device
-        positions = torch.arange(ids.shape[1], device=device).expand(ids.shape)
-        tokens = ids.to(device)
-        logits = teacher(tokens, positions, torch.zeros_like(tokens), full_vocab=True).float()
-        out[logits_key] = logits.to(batch["input_ids"].device)
-        out[alignment_key] = alignment.to(batch["input_ids"].device)
-    return out

@@ -46,7 +46,7 @@ Loss (`DFlashRuntime.draft_loss`)
               confidence: BCE-with-logits of the confidence head against the detached `a`.
               `loss = (α_ce·Σ CE·w / W + α_l1·Σ TV·w / W + α_conf·Σ BCE·eval / E) / n_slots`
               with `W = Σ w`, `E = Σ eval` detached and summed over the data-parallel group
-              (+1e-6).
+              (+1e-6, `DFLASH_LOSS_DEN_EPS`).
     metrics   `draft_loss` and its terms; num/den pairs (they sum over micro-batches):
               `draft_tau_*` (τ = 1 + Σ_j Π_{i≤j} a_i per block), and per slot j = 1..γ
               `draft_accept_rate_*@j` (mean a) and `draft_acc_*@j` (top-1 agreement of the
@@ -68,8 +68,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_loss.checks import FLOAT32, ConfigError, check_factor, check_fields, require
-from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase, aux_layers_default
+from compiled_loss.checks import FLOAT32, check_factor, require
+from compiled_loss.draft.common import (
+    DFLASH_LOSS_DEN_EPS,
+    ROPE_THETA,
+    check_draft_batch,
+    check_draft_config,
+    check_heads,
+    resolve_aux_layers,
+    resolve_draft_vocab,
+    rope_tables,
+    rotate_half,
+    same_document,
+    shift_left,
+)
+from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase
 from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, dflash_projected_vocab_parallel_soft_ce
 from compiled_loss.parallel.collectives import all_reduce_sum
 from compiled_loss.vocab import DraftVocab, total_variation
@@ -79,7 +92,7 @@ Tensor = torch.Tensor
 FIRST_SUPERVISED_SLOT = 1
 """Slot 0 of a DFlash block holds the verified anchor (the "bonus" token): never supervised."""
 
-_DEN_EPS = 1e-6
+_INIT_STD = 0.02  # of the learned embeddings (the token embedding when none is copied, mask and slot)
 
 
 # ---------------------------------------------------------------------------------------
@@ -118,16 +131,15 @@ class DFlashConfig:
     token_chunk_size: int | None = None
     """Rows per fp32 vocabulary tile in eager mode (None = ~4 MiB tiles); ignored when compiled."""
     aux_layers: tuple[int, ...] | None = None
-    """Policy decoder layers whose outputs feed the drafter (ascending); None = `aux_layers_default`."""
+    """Policy decoder layers (0-based, distinct, read in ascending order) whose outputs feed the drafter; None =
+    `aux_layers_default`."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.aux_layers, list):  # a Hydra list
-            object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
-        check_fields(self)
-        for name in ("loss_weight", "loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
+        check_draft_config(self, sizes=("hidden_size", "num_heads", "draft_vocab_size", "token_chunk_size"))
+        for name in ("loss_decay_gamma", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
             value = getattr(self, name)
             require(value >= 0, f"{name} must be >= 0, got {value}")
-        for name in ("loss_weight", "ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
+        for name in ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha"):
             check_factor(name, getattr(self, name), "it scales a term of the draft loss")
         require(self.block_size >= 2, f"block_size must be >= 2, got {self.block_size}")
         gamma, powers = self.loss_decay_gamma, max(1, self.block_size - 2)  # the decay and its largest power
@@ -141,34 +153,6 @@ class DFlashConfig:
         for name in ("num_anchors", "num_layers"):
             value = getattr(self, name)
             require(value >= 1, f"{name} must be >= 1, got {value}")
-        for name in ("hidden_size", "num_heads", "draft_vocab_size", "token_chunk_size"):
-            value = getattr(self, name)
-            require(value is None or value >= 1, f"{name} must be None or >= 1, got {value}")
-        layers = self.aux_layers
-        if layers is not None:
-            require(
-                isinstance(layers, tuple)
-                and len(layers) > 0
-                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
-                and all(a < b for a, b in zip(layers, layers[1:])),
-                f"aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, "
-                f"got {layers!r}",
-            )
-
-    def validate(self, policy: Any) -> None:
-        """Cross-field checks against the policy's model config (`vocab_size`, `hidden_size`,
-        `num_heads`, `num_layers`)."""
-        hidden = self.hidden_size or policy.hidden_size
-        heads = self.num_heads or policy.num_heads
-        require(
-            hidden % heads == 0 and (hidden // heads) % 2 == 0,
-            f"hidden_size ({hidden}) must be divisible by num_heads ({heads}) into an even head size",
-        )
-        for layer in self.aux_layers or ():
-            require(
-                layer < policy.num_layers,
-                f"aux_layers names layer {layer} but the policy has {policy.num_layers} layers",
-            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -198,9 +182,7 @@ def select_anchors(loss_mask: Tensor, document_ids: Tensor, noise: Tensor, num_a
     number of candidates are 0 with `keep = False` (static shapes, no host sync)."""
     rows, length = loss_mask.shape
     total = rows * length
-    next_doc = F.pad(document_ids[:, 1:], (0, 1), value=-1)
-    next_supervised = F.pad(loss_mask[:, 1:], (0, 1), value=0) > 0
-    candidate = (document_ids >= 0) & (next_doc == document_ids) & next_supervised
+    candidate = same_document(document_ids, 1) & (shift_left(loss_mask, 1, 0) > 0)
     score = torch.where(candidate, noise.float(), float("-inf")).flatten()
     if total < num_anchors:
         score = F.pad(score, (0, num_anchors - total), value=float("-inf"))
@@ -252,12 +234,6 @@ def block_targets(
 # ---------------------------------------------------------------------------------------
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE (rotate-half convention); `cos`/`sin` broadcast over the head dim `[..., 1, hd]`."""
-    a, b = x.chunk(2, -1)
-    return x * cos + torch.cat([-b, a], -1) * sin
-
-
 class _BlockLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, mlp: int) -> None:
         super().__init__()
@@ -285,10 +261,10 @@ class _BlockLayer(nn.Module):
         n, slots, hidden = x.shape
         heads = (self.heads, self.head_dim)
         h = self.norm_attn(x)
-        q = _rotate(self.q_norm(self.q(h).unflatten(-1, heads)), *block_rope)
-        k_block = _rotate(self.k_norm(self.k(h).unflatten(-1, heads)), *block_rope)
+        q = rotate_half(self.q_norm(self.q(h).unflatten(-1, heads)), *block_rope)
+        k_block = rotate_half(self.k_norm(self.k(h).unflatten(-1, heads)), *block_rope)
         v_block = self.v(h).unflatten(-1, heads)
-        k_ctx = _rotate(self.k_norm(self.k(ctx).unflatten(-1, heads)), *ctx_rope).index_select(0, rows)
+        k_ctx = rotate_half(self.k_norm(self.k(ctx).unflatten(-1, heads)), *ctx_rope).index_select(0, rows)
         v_ctx = self.v(ctx).unflatten(-1, heads).index_select(0, rows)  # [N, L, heads, hd]
         k = torch.cat([k_ctx, k_block], 1).transpose(1, 2)
         v = torch.cat([v_ctx, v_block], 1).transpose(1, 2)
@@ -321,14 +297,13 @@ class DFlashDrafter(nn.Module):
         embedding_weight: Tensor | None = None,
         confidence_head: bool = False,
         mlp_ratio: int = 4,
-        rope_base: float = 10000.0,
+        rope_theta: float = ROPE_THETA,
     ) -> None:
         super().__init__()
-        if hidden_size % num_heads or (hidden_size // num_heads) % 2:
-            raise ValueError(f"hidden_size ({hidden_size}) must split into num_heads ({num_heads}) even heads")
+        check_heads(hidden_size, num_heads)
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {block_size}")
-        self.aux_layers, self.block_size, self.rope_base = tuple(aux_layers), block_size, rope_base
+        self.aux_layers, self.block_size, self.rope_theta = tuple(sorted(aux_layers)), block_size, rope_theta
         self.fc = nn.Linear(len(self.aux_layers) * policy_hidden_size, hidden_size, bias=False)
         self.ctx_norm = nn.RMSNorm(hidden_size)
         if embedding_weight is not None:
@@ -339,11 +314,11 @@ class DFlashDrafter(nn.Module):
             self.embed = nn.Embedding.from_pretrained(embedding_weight.detach().clone().float(), freeze=True)
         else:
             self.embed = nn.Embedding(vocab_size, hidden_size)
-            nn.init.normal_(self.embed.weight, std=0.02)
+            nn.init.normal_(self.embed.weight, std=_INIT_STD)
         width = self.embed.weight.shape[1]
         self.embed_proj = nn.Identity() if width == hidden_size else nn.Linear(width, hidden_size, bias=False)
-        self.mask_embedding = nn.Parameter(torch.randn(hidden_size) * 0.02)
-        self.slot_embedding = nn.Parameter(torch.randn(block_size, hidden_size) * 0.02)
+        self.mask_embedding = nn.Parameter(torch.randn(hidden_size) * _INIT_STD)
+        self.slot_embedding = nn.Parameter(torch.randn(block_size, hidden_size) * _INIT_STD)
         self.layers = nn.ModuleList(
             _BlockLayer(hidden_size, num_heads, mlp_ratio * hidden_size) for _ in range(num_layers)
         )
@@ -363,7 +338,7 @@ class DFlashDrafter(nn.Module):
         self.lm_head = nn.Linear(hidden_size, draft_vocab, bias=False)
         self.confidence_head = nn.Linear(hidden_size, 1) if confidence_head else None
         head_dim = hidden_size // num_heads
-        inv_freq = 1.0 / rope_base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @property
@@ -371,10 +346,9 @@ class DFlashDrafter(nn.Module):
         return self.lm_head.weight.shape[0]
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        angles = positions.float()[..., None] * self.inv_freq
-        angles = torch.cat([angles, angles], -1)[..., None, :]  # [..., 1, hd]: broadcast over heads
-        dtype = self.fc.weight.dtype
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        """cos, sin `[..., 1, hd/2]` of the rotary angles (rotate-half convention, `rotate_half`)."""
+        cos, sin = rope_tables(positions, self.inv_freq, self.fc.weight.dtype)
+        return cos[..., None, :], sin[..., None, :]  # broadcast over the heads
 
     def forward(
         self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor, document_ids: Tensor, anchors: Tensor
@@ -447,27 +421,9 @@ class DFlashRuntime(DraftRuntimeBase):
         """Proposed tokens per block."""
         return self.config.block_size - FIRST_SUPERVISED_SLOT
 
-    def check_batch(self, batch: DraftBatch, n_slots: int) -> None:
-        """ValueError unless the batch's shapes fit this drafter (static shapes: free under compile)."""
-        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
-            raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
-        rows, length = batch.input_ids.shape
-        expected = {
-            "loss_mask": (rows, length),
-            "document_ids": (rows, length),
-            "position_ids": (rows, length),
-            "anchor_noise": (rows, length),
-            "hidden_states": (rows, length, self.drafter.fc.in_features),
-            "teacher_logits": (rows, length, self.drafter.embed.num_embeddings),
-        }
-        for name, shape in expected.items():
-            got = tuple(getattr(batch, name).shape)
-            if got != shape:
-                raise ValueError(f"DraftBatch.{name} must have shape {shape} for this drafter, got {got}")
-
     def draft_loss(self, batch: DraftBatch, n_slots: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
-        self.check_batch(batch, n_slots)
         cfg, drafter, gamma = self.config, self.drafter, self.gamma
+        check_draft_batch(batch, n_slots, drafter.fc.in_features, drafter.embed.num_embeddings, anchor_noise=True)
         anchors, keep = select_anchors(batch.loss_mask, batch.document_ids, batch.anchor_noise, cfg.num_anchors)
         blocks = block_targets(
             batch.input_ids, batch.loss_mask, batch.document_ids, anchors, keep, cfg.block_size, drafter.target_in_draft
@@ -489,8 +445,8 @@ class DFlashRuntime(DraftRuntimeBase):
         )
         eval_mask = blocks.eval_mask[:, FIRST_SUPERVISED_SLOT:]  # [N, γ]
         weight = eval_mask * stats.weights  # [N, γ]
-        dens = all_reduce_sum(torch.stack([weight.sum(), eval_mask.sum()]).detach(), self.dp_group) + _DEN_EPS
-        weight_den, eval_den = dens[0], dens[1]
+        dens = all_reduce_sum(torch.stack([weight.sum(), eval_mask.sum()]).detach(), self.dp_group)
+        weight_den, eval_den = dens[0] + DFLASH_LOSS_DEN_EPS, dens[1] + DFLASH_LOSS_DEN_EPS
         ce_term = (stats.numerators * stats.weights).sum() / weight_den
 
         # the total variation: a loss term (with a gradient) or only the accept-rate metric
@@ -550,21 +506,15 @@ def build_dflash_runtime(
     default to the policy's, its aux layers to `aux_layers_default(num_layers)`; the token
     embedding is copied from `policy_embedding_weight` and frozen when given; `d2t` maps the
     draft vocabulary (checked once, here)."""
-    config.validate(policy_model_config)
-    vocab = None if d2t is None else d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t)
-    draft_vocab = policy_model_config.vocab_size if vocab is None else vocab.size
-    if config.draft_vocab_size is not None and config.draft_vocab_size != draft_vocab:
-        source = "the policy vocabulary (no d2t given)" if vocab is None else "the d2t map"
-        raise ConfigError(f"draft_vocab_size ({config.draft_vocab_size}) != {draft_vocab}, the size of {source}")
     drafter = DFlashDrafter(
         policy_hidden_size=policy_model_config.hidden_size,
-        aux_layers=config.aux_layers or aux_layers_default(policy_model_config.num_layers),
+        aux_layers=resolve_aux_layers(config.aux_layers, policy_model_config.num_layers),
         vocab_size=policy_model_config.vocab_size,
         hidden_size=config.hidden_size or policy_model_config.hidden_size,
         num_heads=config.num_heads or policy_model_config.num_heads,
         num_layers=config.num_layers,
         block_size=config.block_size,
-        d2t=vocab,
+        d2t=resolve_draft_vocab(d2t, config.draft_vocab_size, policy_model_config.vocab_size),
         embedding_weight=policy_embedding_weight,
         confidence_head=config.confidence_head_alpha > 0,
     )

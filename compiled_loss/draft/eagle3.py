@@ -14,11 +14,11 @@ scores step `k` against the policy's own next-token distribution:
   reference's `[0, T - k)` logits against `teacher[:, k:]` do.
 
 The loss is `Σ_k decay^k · Σ_t KL(softmax(teacher) ‖ softmax(draft))·mask_k / den_k /
-n_slots` with `den_k = all_reduce_dp(Σ mask_k + 1e-5)`, the KL in fp32 through
-`vocab_reduce` (`KL = lse - Σ p_teacher·x + Σ p_teacher log p_teacher`). Every shift stays
-inside one document (`document_ids`), so one packed row of several sequences and the
-unpacked rows of the same sequences give the same loss, metrics and gradients; padding
-slots (document -1) are zeroed before any math and reach nothing.
+n_slots` with `den_k = all_reduce_dp(Σ mask_k + 1e-5)` (`EAGLE3_LOSS_DEN_EPS`), the KL in
+fp32 through `vocab_reduce` (`KL = lse - Σ p_teacher·x + Σ p_teacher log p_teacher`).
+Every shift stays inside one document (`document_ids`), so one packed row of several
+sequences and the unpacked rows of the same sequences give the same loss, metrics and
+gradients; padding slots (document -1) are zeroed before any math and reach nothing.
 
 Everything is static-shaped and free of host syncs: it traces into the training step's
 graph (`fullgraph=True`) and compiles once per `[R, L]` shape.
@@ -34,15 +34,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiled_loss.checks import FLOAT32, check_factor, check_fields, require
-from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase, aux_layers_default
+from compiled_loss.checks import FLOAT32, require
+from compiled_loss.draft.common import (
+    EAGLE3_LOSS_DEN_EPS,
+    ROPE_THETA,
+    check_draft_batch,
+    check_draft_config,
+    check_heads,
+    resolve_aux_layers,
+    resolve_draft_vocab,
+    rope_tables,
+    rotate_half,
+    same_document,
+    shift_left,
+)
+from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase
 from compiled_loss.parallel.collectives import all_reduce_sum
 from compiled_loss.vocab import DraftVocab, map_teacher_logits_to_draft_vocab, vocab_reduce
 
 Tensor = torch.Tensor
 
-_DEN_EPS = 1e-5  # the reference's `loss_den_k = Σ mask + 1e-5`
-_NO_DOCUMENT = -2  # fill of shifted document ids: equals no document (and not padding's -1)
+_RMS_NORM_EPS = 1e-6  # of every RMSNorm of the drafter (Llama's `rms_norm_eps`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,15 +79,13 @@ class Eagle3Config:
     token_chunk_size: int = 512
     """Rows per fp32 vocab chunk of the KL in eager mode (the reference's 512 positions)."""
     aux_layers: tuple[int, ...] | None = None
-    """Policy decoder layers (0-based) whose outputs feed the drafter (None: `aux_layers_default`)."""
-    rope_theta: float = 10000.0
+    """Policy decoder layers (0-based, distinct, read in ascending order) whose outputs feed the drafter (None:
+    `aux_layers_default`)."""
+    rope_theta: float = ROPE_THETA
     """Base of the drafter's rotary position embedding; > 0."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.aux_layers, list):  # a Hydra / YAML list
-            object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
-        check_fields(self)
-        require(self.loss_weight >= 0, f"loss_weight must be >= 0, got {self.loss_weight}")
+        check_draft_config(self, sizes=("hidden_size", "num_heads", "intermediate_size", "draft_vocab_size"))
         require(self.ttt_steps >= 1, f"ttt_steps must be >= 1, got {self.ttt_steps}")
         decay = self.ttt_step_loss_decay
         require(0 < decay <= 1, f"ttt_step_loss_decay must be in (0, 1], got {decay}")
@@ -86,51 +96,8 @@ class Eagle3Config:
             f"{FLOAT32.smallest_normal:.3g}), so that step would train nothing; raise ttt_step_loss_decay or lower "
             "ttt_steps",
         )
-        check_factor("loss_weight", self.loss_weight, "it scales the draft loss")
-        for name in ("hidden_size", "num_heads", "intermediate_size", "draft_vocab_size"):
-            value = getattr(self, name)
-            require(value is None or value >= 1, f"{name} must be >= 1 (or None), got {value}")
         require(self.token_chunk_size >= 1, f"token_chunk_size must be >= 1, got {self.token_chunk_size}")
         require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
-        layers = self.aux_layers
-        require(
-            layers is None
-            or (
-                isinstance(layers, tuple)
-                and len(layers) > 0
-                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
-            ),
-            f"aux_layers must be None or a non-empty tuple of ints >= 0, got {layers!r}",
-        )
-        if self.hidden_size is not None and self.num_heads is not None:
-            require(
-                self.hidden_size % self.num_heads == 0,
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})",
-            )
-
-    def resolve_aux_layers(self, num_layers: int) -> tuple[int, ...]:
-        """The auxiliary layers for a policy of `num_layers` decoder layers."""
-        layers = aux_layers_default(num_layers) if self.aux_layers is None else self.aux_layers
-        require(
-            all(i < num_layers for i in layers),
-            f"aux_layers {layers} must name decoder layers of the policy, [0, {num_layers})",
-        )
-        return layers
-
-
-def _shift_left(x: Tensor, offset: int, fill: float | int) -> Tensor:
-    """`x[:, t + offset]` at slot t along dim 1, `fill` past the end (static shape)."""
-    length = x.shape[1]
-    if offset >= length:
-        return torch.full_like(x, fill)
-    tail = torch.full((x.shape[0], offset, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, offset:], tail], 1)
-
-
-def _same_document(document_ids: Tensor, offset: int) -> Tensor:
-    """`[R, L]` bool: slot `t + offset` exists in the row and belongs to slot t's document
-    (never for a padding slot). Documents are contiguous, so every slot in between does too."""
-    return (_shift_left(document_ids, offset, _NO_DOCUMENT) == document_ids) & (document_ids >= 0)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -138,18 +105,13 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding (rotate-half form) of `x [R, heads, L, d]` with `cos, sin [R, 1, L, d/2]`."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
 class Eagle3Drafter(nn.Module):
     """The EAGLE-3 draft model: `fc` over the concatenated auxiliary hidden states
     (`A·H_policy → H`), a frozen token embedding `[V, H]` over the policy's vocabulary, ONE
     Llama-style decoder layer whose attention projections read `2H` (the RMS-normalised
     embedding and hidden, concatenated) and whose residual is the hidden stream, a final
-    RMSNorm and an LM head over the draft vocabulary. Rotary positions from `position_ids`.
+    RMSNorm and an LM head over the draft vocabulary. Rotary positions from `position_ids`
+    (rotate-half convention, `rotate_half`).
 
     TTT attention (the reference's `cache_hidden`): step 0 is causal attention within the
     slot's document over the step-0 keys/values; step k > 0 attends, in one softmax, to the
@@ -168,28 +130,25 @@ class Eagle3Drafter(nn.Module):
         vocab_size: int,
         draft_vocab_size: int,
         aux_hidden_size: int,
-        rope_theta: float = 10000.0,
+        rope_theta: float = ROPE_THETA,
     ) -> None:
         super().__init__()
-        if hidden_size % num_heads or (hidden_size // num_heads) % 2:
-            raise ValueError(
-                f"hidden_size ({hidden_size}) must split into num_heads ({num_heads}) heads of an even width"
-            )
+        check_heads(hidden_size, num_heads)
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.fc = nn.Linear(aux_hidden_size, hidden_size, bias=False)
         self.embed = nn.Embedding(vocab_size, hidden_size)
         self.embed.weight.requires_grad_(False)  # EAGLE-3 keeps the target's embedding frozen
-        self.input_norm = nn.RMSNorm(hidden_size, eps=1e-6)  # the token embedding
-        self.hidden_norm = nn.RMSNorm(hidden_size, eps=1e-6)  # the hidden stream
+        self.input_norm = nn.RMSNorm(hidden_size, eps=_RMS_NORM_EPS)  # the token embedding
+        self.hidden_norm = nn.RMSNorm(hidden_size, eps=_RMS_NORM_EPS)  # the hidden stream
         self.q_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.k_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.v_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.post_norm = nn.RMSNorm(hidden_size, eps=1e-6)
+        self.post_norm = nn.RMSNorm(hidden_size, eps=_RMS_NORM_EPS)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
+        self.norm = nn.RMSNorm(hidden_size, eps=_RMS_NORM_EPS)
         self.head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
         self.rope_theta = rope_theta
 
@@ -211,11 +170,10 @@ class Eagle3Drafter(nn.Module):
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin `[R, 1, L, d/2]` of the rotary angles, computed in fp32 (fp64 for an fp64 drafter)."""
-        work = _work_dtype(dtype)
         width = self.hidden_size // self.num_heads
-        inv_freq = self.rope_theta ** (-torch.arange(0, width, 2, dtype=work, device=positions.device) / width)
-        angles = positions.to(work)[:, None, :, None] * inv_freq
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        exponents = torch.arange(0, width, 2, dtype=_work_dtype(dtype), device=positions.device) / width
+        cos, sin = rope_tables(positions, self.rope_theta**-exponents, dtype)
+        return cos[:, None], sin[:, None]  # broadcast over the heads
 
     def forward(
         self, input_ids: Tensor, hidden_states: Tensor, document_ids: Tensor, position_ids: Tensor, steps: int
@@ -238,11 +196,11 @@ class Eagle3Drafter(nn.Module):
         chain_v: list[Tensor] = []
         outputs = []
         for step in range(steps):
-            ids = torch.where(_same_document(document_ids, step + 1), _shift_left(input_ids, step + 1, 0), 0)
+            ids = torch.where(same_document(document_ids, step + 1), shift_left(input_ids, step + 1, 0), 0)
             x = torch.cat([self.input_norm(self.embed(ids).to(dtype)), self.hidden_norm(hidden)], -1)
             cos, sin = self._rope(positions + step, dtype)
-            q = _rotate(self._heads(self.q_proj(x)), cos, sin)
-            k = _rotate(self._heads(self.k_proj(x)), cos, sin)
+            q = rotate_half(self._heads(self.q_proj(x)), cos, sin)
+            k = rotate_half(self._heads(self.k_proj(x)), cos, sin)
             v = self._heads(self.v_proj(x))
             if step == 0:
                 k0, v0 = k, v
@@ -304,27 +262,6 @@ class Eagle3Runtime(DraftRuntimeBase):
             )
         self.drafter, self.config, self.draft_vocab = drafter, config, draft_vocab
 
-    def _check(self, batch: DraftBatch, n_slots: int) -> None:
-        """Static (trace-time) shape checks, raised on the host."""
-        if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
-            raise ValueError(f"n_slots must be an int >= 1, got {n_slots!r}")
-        ids = batch.input_ids
-        if ids.dim() != 2:
-            raise ValueError(f"input_ids must be [R, L], got shape {tuple(ids.shape)}")
-        rows, length = ids.shape
-        expected = {
-            "hidden_states": (rows, length, self.drafter.aux_hidden_size),
-            "teacher_logits": (rows, length, self.drafter.vocab_size),
-            "loss_mask": (rows, length),
-            "document_ids": (rows, length),
-            "position_ids": (rows, length),
-        }
-        for name, shape in expected.items():
-            value = getattr(batch, name)
-            if value is None or tuple(value.shape) != shape:
-                got = None if value is None else tuple(value.shape)
-                raise ValueError(f"DraftBatch.{name} must have shape {shape}, got {got}")
-
     def draft_loss(self, batch: DraftBatch, n_slots: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
         """The TTT loss of one micro-batch, divided by `n_slots`, and its metrics (0-d
         tensors; `@k` num/den pairs sum across micro-batches and ranks):
@@ -332,7 +269,7 @@ class Eagle3Runtime(DraftRuntimeBase):
         `draft_full_acc_{num,den}@k` (argmax agreement with the teacher on supervised slots),
         `draft_cond_acc_{num,den}@k` (the same among slots whose steps < k all agreed) and
         `draft_loss` (the returned loss, detached)."""
-        self._check(batch, n_slots)
+        check_draft_batch(batch, n_slots, self.drafter.aux_hidden_size, self.drafter.vocab_size)
         cfg, steps = self.config, self.config.ttt_steps
         ids, documents = batch.input_ids, batch.document_ids
         rows, length = ids.shape
@@ -350,8 +287,8 @@ class Eagle3Runtime(DraftRuntimeBase):
         for k, out in enumerate(outputs):
             n = total - k - 1  # flattened slots whose teacher row t + k + 1 exists (the rest are unsupervised)
             # token t + k + 2 is in slot t's document and supervised (both shifts stay inside it)
-            in_doc = _same_document(documents, k + 2)
-            mask = (_shift_left(supervised, k + 2, False) & in_doc).reshape(total)[:n]
+            in_doc = same_document(documents, k + 2)
+            mask = (shift_left(supervised, k + 2, False) & in_doc).reshape(total)[:n]
             logits = self.drafter.logits(out.reshape(total, -1)[:n])  # [n, V_draft]
             stats = vocab_reduce(logits, teacher=teacher[k + 1 :], chunk_size=cfg.token_chunk_size)
             kl = stats.lse - stats.cross + teacher_negent[k + 1 :]
@@ -364,7 +301,7 @@ class Eagle3Runtime(DraftRuntimeBase):
             cond_den.append((mask & prev).sum().float())
             agreed = prev & match
 
-        den_global = all_reduce_sum(torch.stack(dens) + _DEN_EPS, self.dp_group).detach()
+        den_global = all_reduce_sum(torch.stack(dens) + EAGLE3_LOSS_DEN_EPS, self.dp_group).detach()
         loss = sum(cfg.ttt_step_loss_decay**k * nums[k] / den_global[k] for k in range(steps)) / n_slots
         metrics: dict[str, Tensor] = {}
         for k in range(steps):
@@ -400,22 +337,10 @@ def build_eagle3_runtime(
     vocab, policy_hidden = policy_model_config.vocab_size, policy_model_config.hidden_size
     hidden = config.hidden_size or policy_hidden
     heads = config.num_heads or policy_model_config.num_heads
-    require(hidden % heads == 0, f"hidden_size ({hidden}) must be divisible by num_heads ({heads})")
     intermediate = config.intermediate_size or getattr(policy_model_config, "mlp_ratio", 4) * hidden
-    aux_layers = config.resolve_aux_layers(policy_model_config.num_layers)
-    draft_vocab = None if d2t is None else (d2t if isinstance(d2t, DraftVocab) else DraftVocab.build(d2t))
-    draft_size = config.draft_vocab_size or (draft_vocab.size if draft_vocab is not None else vocab)
-    if draft_vocab is not None:
-        require(
-            draft_vocab.size == draft_size,
-            f"draft_vocab_size ({draft_size}) must equal the size of the d2t map ({draft_vocab.size})",
-        )
-        draft_vocab.check_vocab(vocab)
-    else:
-        require(
-            draft_size == vocab,
-            f"draft_vocab_size ({draft_size}) differs from the policy's vocabulary ({vocab}): pass a d2t map",
-        )
+    aux_layers = resolve_aux_layers(config.aux_layers, policy_model_config.num_layers)
+    draft_vocab = resolve_draft_vocab(d2t, config.draft_vocab_size, vocab)
+    draft_size = vocab if draft_vocab is None else draft_vocab.size
     drafter = Eagle3Drafter(
         hidden_size=hidden,
         num_heads=heads,

@@ -10,11 +10,15 @@ from typing import Any
 
 import torch
 
+from compiled_loss.inputs.draft import draft_input
+from compiled_loss.inputs.options import PrepareOptions
+from compiled_loss.interfaces import InputSpec
 from compiled_loss.losses.common import require_keys
 from compiled_loss.losses.draft_ce import DraftCrossEntropyLossFn, DraftLossStats
-from compiled_loss.packing import PackedLayout
+from compiled_loss.packing import PackedLayout, PackedView, row_width
+from compiled_loss.parallel import ParallelGroups
 from compiled_loss.parallel.collectives import all_reduce_sum, sum_context_parallel
-from compiled_loss.vocab import DraftVocab, LinearLogits, map_teacher_logits_to_draft_vocab, per_position
+from compiled_loss.vocab import DraftVocab, LinearLogits, per_position
 
 Tensor = torch.Tensor
 
@@ -110,25 +114,27 @@ def packed_draft_soft_ce(
     vocab_parallel_rank: int | None = None,
     vocab_parallel_group: Any = None,
 ) -> Tensor:
-    """Packed `[1, T, V]`: ONE soft-CE over the packed slots, the teacher shifted left by one
-    within each segment and mapped to the draft vocabulary, the mask `token_mask ·
-    sample_mask` packed and shifted the same way (ref §7.4 `_packed_draft_loss`). Under
-    context parallelism over this rank's slots (the shift crossing ranks), summed over the
-    CP ranks."""
+    """Packed `[1, T, V]`: ONE soft-CE over the packed slots — the DRAFT preparer on the
+    packed view: the teacher shifted left by one within each segment and mapped to the draft
+    vocabulary, the mask `token_mask · sample_mask` packed and shifted the same way (ref §7.4
+    `_packed_draft_loss`). Under context parallelism over this rank's slots (the shift
+    crossing ranks), summed over the CP ranks."""
     require_keys(data, ("token_mask", "sample_mask"), "DraftLossWrapper (packed)")
     layout = layout.on(next_token_logits.device)
-    student = layout.slots(student_logits, "student_logits")
-    logits = per_position(next_token_logits, lambda x: layout.slots(x, "next_token_logits"))
-    teacher = layout.next_rows(
-        map_teacher_logits_to_draft_vocab(logits, draft_vocab, vocab_parallel_rank, vocab_parallel_group)
-    )
+    logits = per_position(next_token_logits, lambda x: layout.slots(x, "next_token_logits")[None])
     data = layout.pad_data(data)
-    mask = layout.local(layout.roll(layout.pack(data["token_mask"] * data["sample_mask"][:, None])))
+    packed_data = {
+        "token_mask": data["token_mask"] * data["sample_mask"][:, None],
+        "student_logits": layout.slots(student_logits, "student_logits")[None],
+    }
+    parallel = ParallelGroups.of_seed(vocab_parallel_rank, vocab_parallel_group, None)
+    spec = InputSpec.of(draft_loss_fn)
+    inputs = draft_input(
+        PackedView(layout, row_width(data)), logits, packed_data, spec, PrepareOptions(parallel, d2t=draft_vocab)
+    )
     draft = draft_loss_fn(
-        teacher_logits=teacher[None],
-        student_logits=student[None],
-        token_mask=mask[None],
-        data={"sample_mask": mask.new_ones(1)},
+        **inputs,
+        data={"sample_mask": inputs["token_mask"].new_ones(1)},
         global_valid_seqs=global_valid_seqs,
         global_valid_toks=global_valid_toks,
     )

@@ -1,6 +1,6 @@
 """Cross-tokenizer distillation inputs (ref §5.1 DISTILLATION_CROSS_TOKENIZER): the host-side
 alignment of two tokenizations, and the loss input built from the student's logits and
-the teachers' data keys (`CrossTokenizerDistillationLossFn.teacher_logits_keys`,
+the teachers' data keys the loss declares (`InputSpec.teacher_logits_keys`,
 `.teacher_alignment_keys`).
 
 The loss reads whole student and teacher distributions, so the student's logits must be
@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
+from compiled_loss.inputs.options import PrepareOptions
+from compiled_loss.interfaces import InputSpec
 from compiled_loss.losses.common import require_keys
-from compiled_loss.parallel import group_size
+from compiled_loss.packing.view import Logits, TokenView
+from compiled_loss.parallel import ParallelGroups
 from compiled_loss.vocab import LinearLogits
 
 Tensor = torch.Tensor
@@ -47,12 +50,10 @@ def align_tokenizations(
     return out
 
 
-def check_student_logits(
-    logits: Tensor | LinearLogits, loss_fn: Any, vocab_parallel_group: Any, context_parallel_group: Any, who: str
-) -> None:
-    """The student's logits must be a whole `[B, S, V_s]` (or packed `[1, T, V_s]`) tensor."""
-    name = type(loss_fn).__name__
-    if group_size(vocab_parallel_group) > 1 or group_size(context_parallel_group) > 1:
+def check_student_logits(logits: Logits, name: str, parallel: ParallelGroups, who: str) -> None:
+    """The student's logits must be a whole `[B, S, V_s]` (or packed `[1, T, V_s]`) tensor;
+    `name` is the loss's."""
+    if parallel.sizes[:2] != (1, 1):
         raise ValueError(
             f"{who}: {name} reads whole student and teacher distributions; it takes no vocab_parallel_group or "
             "context_parallel_group (NeMo-RL's cross-tokenizer distillation runs at tp = cp = 1 too)"
@@ -63,13 +64,15 @@ def check_student_logits(
         )
 
 
-def cross_tokenizer_loss_input(logits: Tensor, data: Mapping[str, Tensor], loss_fn: Any, who: str) -> dict[str, Any]:
-    """`{"logits", "teacher_full_logits_by_idx", "aligns_by_idx"}` from unpacked `[B, S, V_s]`
-    student logits and the teachers' data keys."""
-    logits_keys, alignment_keys = loss_fn.teacher_logits_keys, loss_fn.teacher_alignment_keys
-    require_keys(data, logits_keys + alignment_keys, who)
+def cross_tokenizer_input(
+    view: TokenView, logits: Tensor, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
+) -> dict[str, Any]:
+    """`{"logits", "teacher_full_logits_by_idx", "aligns_by_idx"}`: the student's logits at
+    every position `[B, S, V_s]` and the teachers' data keys the loss declares."""
+    logits_keys, alignment_keys = spec.teacher_logits_keys, spec.teacher_alignment_keys
+    require_keys(data, logits_keys + alignment_keys, view.who)
     return {
-        "logits": logits,
+        "logits": view.unpacked(logits),
         "teacher_full_logits_by_idx": {i: data[key] for i, key in enumerate(logits_keys)},
         "aligns_by_idx": {i: data[key] for i, key in enumerate(alignment_keys)},
     }

@@ -72,7 +72,7 @@ from typing import Literal
 import torch
 
 from compiled_loss.checks import FACTOR_MAX, check_factor, check_fields, check_value, require
-from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.interfaces import InputSpec, LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
     masked_mean,
@@ -312,6 +312,16 @@ class CrossTokenizerDistillationLossFn:
     @property
     def num_teachers(self) -> int:
         return len(self.cfg.teacher_weights)
+
+    @property
+    def input_spec(self) -> InputSpec:
+        """Its data: `input_ids`, `token_mask` `[B, S]`, `sample_mask` `[B]` and per teacher
+        `i` its logits and alignment (the two properties below)."""
+        return InputSpec(
+            self.input_type,
+            teacher_logits_keys=self.teacher_logits_keys,
+            teacher_alignment_keys=self.teacher_alignment_keys,
+        )
 
     @property
     def teacher_logits_keys(self) -> tuple[str, ...]:

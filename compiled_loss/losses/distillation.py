@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NotRequired, TypedDict
 
 import torch
 
 from compiled_loss.checks import check_fields, require
-from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.interfaces import InputSpec, LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import as_config, masked_mean, normalizations, zero_outside
 
 Tensor = torch.Tensor
@@ -32,6 +32,16 @@ class DistillationLossConfig:
         require(0.0 <= w <= 1.0, f"mixed_kl_weight must be in [0, 1], got {w}")
 
 
+class DistillationLossData(TypedDict):
+    """The data `DistillationLossFn` reads: the teacher's top-k `[B, S, k]`; the masks (needed
+    under packing, where without them the loss would be a plain mean over the micro-batch)."""
+
+    teacher_topk_logits: Tensor
+    teacher_topk_indices: Tensor
+    token_mask: NotRequired[Tensor]  # [B, S]
+    sample_mask: NotRequired[Tensor]  # [B]
+
+
 @dataclasses.dataclass(frozen=True)
 class DistillationLossFn:
     """KL between student and teacher top-k distributions (ref §4.5)."""
@@ -44,6 +54,16 @@ class DistillationLossFn:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cfg", as_config(self.cfg, DistillationLossConfig, "DistillationLossFn"))
+
+    @property
+    def input_spec(self) -> InputSpec:
+        zero_outside = self.cfg.zero_outside_topk
+        return InputSpec(
+            self.input_type,
+            zero_outside_topk=zero_outside,
+            topk_entropy=zero_outside and self.cfg.kl_type != "forward",
+            data=DistillationLossData,
+        )
 
     @property
     def kl_type(self) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from compiled_loss.interfaces import LossInputType, LossType
+from compiled_loss.interfaces import InputSpec, LossInputType, LossType
 from compiled_loss.losses.common import require_keys, require_shape
 from compiled_loss.parallel import check_agreement, group_size
 from compiled_loss.vocab import LinearLogits, check_chunk_size, vocab_reduce
@@ -255,6 +255,7 @@ class DraftCrossEntropyLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.DRAFT
+    input_spec = InputSpec(LossInputType.DRAFT)
 
     def __post_init__(self) -> None:
         check_chunk_size(self.token_chunk_size, "token_chunk_size")

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TypedDict
 
 import torch
 
-from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.interfaces import InputSpec, LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import check_logprob_inputs, float_masks, masked_mean, normalizations, zero_outside
 
 Tensor = torch.Tensor
+
+
+class NLLLossData(TypedDict):
+    """The data `NLLLossFn` reads: `[B, S]` masks and `[B]` sample mask."""
+
+    token_mask: Tensor
+    sample_mask: Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +29,10 @@ class NLLLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGPROB
+
+    @property
+    def input_spec(self) -> InputSpec:
+        return InputSpec(self.input_type, fused_linear_logprobs=self.use_fused_linear_logprobs, data=NLLLossData)
 
     @property
     def metric_normalizations(self) -> dict[str, MetricNormalizer]:

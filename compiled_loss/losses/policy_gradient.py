@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NotRequired, TypedDict
 
 import torch
 
 from compiled_loss.checks import FLOAT32, check_factor, check_fields, check_value, require
 from compiled_loss.compile import compile_loss
-from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.interfaces import InputSpec, LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     KL_PENALTY_KEY,
     as_config,
@@ -181,6 +181,21 @@ class ClippedPGLossConfig:
             )
 
 
+class ClippedPGLossData(TypedDict):
+    """The data `ClippedPGLossFn` reads: `[B, S]` unless noted."""
+
+    token_mask: Tensor
+    sample_mask: Tensor  # [B]
+    advantages: Tensor
+    generation_logprobs: Tensor
+    prev_logprobs: NotRequired[Tensor]  # not with force_on_policy_ratio
+    reference_policy_logprobs: NotRequired[Tensor]  # with a reference KL (β ≠ 0)
+    rewards: NotRequired[Tensor]  # [B], for positive_example_nll_weight
+    curr_logprobs_unfiltered: NotRequired[Tensor]  # [B, S-1]; NeMo-RL's key (the loss input wins)
+    opd_full_teacher_payload: NotRequired[Tensor]  # [B, S, D], with opd_full
+    opd_full_teacher_index: NotRequired[Tensor]  # [B], with opd_full hidden-state payloads
+
+
 class _Tokens(NamedTuple):
     """The per-token `[B, S-1]` inputs, aligned (ref §4.1.4)."""
 
@@ -228,6 +243,16 @@ class ClippedPGLossFn:
     @property
     def input_type(self) -> LossInputType:
         return LossInputType.LOGPROB if self.opd_full is None else LossInputType.OPD_FULL
+
+    @property
+    def input_spec(self) -> InputSpec:
+        return InputSpec(
+            self.input_type,
+            unfiltered_logprobs=self.reference_policy_kl_penalty != 0,
+            fused_linear_logprobs=self.use_fused_linear_logprobs,
+            opd_full=self.opd_full,
+            data=ClippedPGLossData,
+        )
 
     @property
     def loss_type(self) -> LossType:
@@ -321,9 +346,12 @@ class ClippedPGLossFn:
         data: Mapping[str, Tensor] | None = None,
         global_valid_seqs: Tensor | None = None,
         global_valid_toks: Tensor | None = None,
+        curr_logprobs_unfiltered: Tensor | None = None,
         **opd_full_inputs: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """`(loss, metrics)`. LOGPROB inputs: `next_token_logprobs [B, S-1]`. OPD_FULL inputs
+        """`(loss, metrics)`. LOGPROB inputs: `next_token_logprobs [B, S-1]`, and — top-k /
+        top-p filtered log-probs with a reference KL — `curr_logprobs_unfiltered [B, S-1]` (or
+        NeMo-RL's `data["curr_logprobs_unfiltered"]`; the keyword wins). OPD_FULL inputs
         (keywords): `opd_full_divergence`, `opd_full_entropy`, `opd_full_cross_entropy` `[B, S-1]`
         and `next_token_logprobs` when β ≠ 0."""
         objective = self._objective
@@ -331,9 +359,13 @@ class ClippedPGLossFn:
             if self._compiled is None:
                 object.__setattr__(self, "_compiled", compile_loss(self._objective, fullgraph=True))
             objective = self._compiled
-        return objective(next_token_logprobs, data, global_valid_seqs, global_valid_toks, **opd_full_inputs)
+        return objective(
+            next_token_logprobs, data, global_valid_seqs, global_valid_toks, curr_logprobs_unfiltered, **opd_full_inputs
+        )
 
-    def _objective(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **opd_full_inputs):
+    def _objective(
+        self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, unfiltered, **opd_full_inputs
+    ):
         if data is None:
             raise ValueError("ClippedPGLossFn: data is required")
         unknown = sorted(set(opd_full_inputs) - _OPD_FULL_INPUTS)
@@ -360,7 +392,9 @@ class ClippedPGLossFn:
                 raise ValueError("ClippedPGLossFn: OPD_FULL inputs given to a loss built without opd_full")
             if next_token_logprobs is None:
                 raise ValueError("ClippedPGLossFn: next_token_logprobs ([B, S-1]) is required")
-            loss, metrics = self._policy_gradient(next_token_logprobs, data, global_valid_seqs, global_valid_toks)
+            loss, metrics = self._policy_gradient(
+                next_token_logprobs, data, global_valid_seqs, global_valid_toks, unfiltered
+            )
         if self.cfg.metrics_level == "minimal":
             metrics = {k: v for k, v in metrics.items() if k in self._minimal_metrics}
         return loss, metrics
@@ -371,10 +405,11 @@ class ClippedPGLossFn:
         data: Mapping[str, Tensor],
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
+        unfiltered: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, beta = self.cfg, self.reference_policy_kl_penalty
         g_toks, g_seqs = global_valid_toks, global_valid_seqs
-        x, extra = self._tokens(next_token_logprobs, data)
+        x, extra = self._tokens(next_token_logprobs, data, unfiltered)
         diagnostics = self._diagnostics(x, g_toks) if cfg.metrics_level == "full" else {}
         kl = self._reference_kl(x, g_toks, g_seqs)
         ratio, ratio_c = self._ratios(x)
@@ -411,9 +446,12 @@ class ClippedPGLossFn:
 
     # ---- the steps, in the reference's order -------------------------------------------
 
-    def _tokens(self, lp: Tensor, data: Mapping[str, Tensor]) -> tuple[_Tokens, dict[str, Tensor]]:
+    def _tokens(
+        self, lp: Tensor, data: Mapping[str, Tensor], unfiltered: Tensor | None
+    ) -> tuple[_Tokens, dict[str, Tensor]]:
         """Check and align the inputs, zeroed outside the mask; apply the in-loss sequence
-        filter (ref §4.1.8)."""
+        filter (ref §4.1.8). `unfiltered`: the unfiltered log-probs (else NeMo-RL's data key,
+        else `lp`)."""
         cfg, beta = self.cfg, self.reference_policy_kl_penalty
         keys = ("advantages", "generation_logprobs")
         keys += () if cfg.force_on_policy_ratio else ("prev_logprobs",)
@@ -421,7 +459,7 @@ class ClippedPGLossFn:
         check_logprob_inputs(lp, data, keys, "ClippedPGLossFn")
         tm, sm = float_masks(data, lp.dtype)
         mask0 = tm * sm[:, None]
-        lp_u = data.get("curr_logprobs_unfiltered", lp)
+        lp_u = data.get("curr_logprobs_unfiltered", lp) if unfiltered is None else unfiltered
         lp_prev = None if cfg.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
         lp_ref = data["reference_policy_logprobs"][:, 1:] if beta != 0 else None
         lp, lp_u, lp_prev, lp_gen, lp_ref, adv = zero_outside(

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NotRequired, TypedDict
 
 import torch
 import torch.nn.functional as F
 
 from compiled_loss.checks import check_factor, check_fields, require
-from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.interfaces import InputSpec, LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
     check_logprob_inputs,
@@ -121,13 +122,34 @@ def _sequence_normalizations(*keys: str) -> dict[str, MetricNormalizer]:
     return normalizations(SEQUENCES=keys, NONE=("num_valid_samples",))
 
 
+class PreferenceLossData(TypedDict):
+    """The data `PreferenceLossFn` reads: `[B]` per row; the pair naming is optional."""
+
+    sample_mask: Tensor
+    pair_index: NotRequired[Tensor]
+    is_chosen: NotRequired[Tensor]
+
+
+class DPOLossData(PreferenceLossData):
+    """The data `DPOLossFn` reads besides the rows' pairing: `[B, S]` unless noted."""
+
+    token_mask: Tensor
+    reference_policy_logprobs: Tensor  # pre-rolled: entry t is the reference log-prob of token t+1
+
+
+class MPOLossData(DPOLossData):
+    """The data `MPOLossFn` reads: DPO's and the driver's running reward mean."""
+
+    reward_shift: Tensor  # [B]
+
+
 @dataclasses.dataclass(frozen=True)
 class PreferenceLossFn:
     """Reward-model preference loss over (chosen, rejected) rows (ref §4.3)."""
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGIT
-    rows_are_pairs = True
+    input_spec = InputSpec(LossInputType.LOGIT, pairs=True, data=PreferenceLossData)
 
     @property
     def metric_normalizations(self) -> dict[str, MetricNormalizer]:
@@ -234,10 +256,15 @@ class DPOLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGPROB
-    rows_are_pairs = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cfg", as_config(self.cfg, DPOLossConfig, "DPOLossFn"))
+
+    @property
+    def input_spec(self) -> InputSpec:
+        return InputSpec(
+            self.input_type, fused_linear_logprobs=self.use_fused_linear_logprobs, pairs=True, data=DPOLossData
+        )
 
     @property
     def reference_policy_kl_penalty(self) -> float:
@@ -355,10 +382,15 @@ class MPOLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGPROB
-    rows_are_pairs = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cfg", as_config(self.cfg, MPOLossConfig, "MPOLossFn"))
+
+    @property
+    def input_spec(self) -> InputSpec:
+        return InputSpec(
+            self.input_type, fused_linear_logprobs=self.use_fused_linear_logprobs, pairs=True, data=MPOLossData
+        )
 
     @property
     def reference_policy_kl_penalty(self) -> float:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NotRequired, TypedDict
 
 import torch
 
 from compiled_loss.checks import check_factor, check_fields, require
-from compiled_loss.interfaces import LossInputType, LossType, MetricNormalizer
+from compiled_loss.interfaces import InputSpec, LossInputType, LossType, MetricNormalizer
 from compiled_loss.losses.common import (
     as_config,
     masked_max,
@@ -40,6 +41,15 @@ class MseValueLossConfig:
         require(c is None or c >= 0, f"cliprange must be >= 0 (or None), got {c}")
 
 
+class MseValueLossData(TypedDict):
+    """The data `MseValueLossFn` reads: `[B, S]` unless noted."""
+
+    token_mask: Tensor
+    sample_mask: Tensor  # [B]
+    returns: Tensor
+    values: NotRequired[Tensor]  # the rollout's values, with cliprange
+
+
 @dataclasses.dataclass(frozen=True)
 class MseValueLossFn:
     """Clipped / plain MSE value loss over per-position values (ref §4.7)."""
@@ -48,7 +58,8 @@ class MseValueLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGIT
-    vocab_sharded = False  # per-position values: every tensor-parallel rank holds them whole
+    # per-position values: every tensor-parallel rank holds them whole
+    input_spec = InputSpec(LossInputType.LOGIT, vocab_sharded=False, data=MseValueLossData)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cfg", as_config(self.cfg, MseValueLossConfig, "MseValueLossFn"))

@@ -1,18 +1,29 @@
 """The packing room: sequence boundaries on the host, the bucketed `PackedLayout` that
-compiled code reads instead of them, the per-sequence / context-parallel chunk maps, and
-the micro-batch loss over packed or padded logits.
+compiled code reads instead of them, the per-sequence / context-parallel chunk maps, the
+token view input preparation works against, and the micro-batch loss over packed or padded
+logits.
 
 - `boundaries`: `CpuIntTuple`, `to_cpu_int_tuple`, `check_cu_seqlens`;
 - `transforms`: `pack_source_index` (padding, roll, CP `2·cp` chunks) and the seed's
   packing utilities built on it;
 - `layout`: `BucketGrid`, `round_to_bucket`, `pad_to_bucket`, `PackedLayout`;
-- `loss`: `sequence_packing_loss`, `wrap_loss_fn_with_input_preparation`, and
-  `check_inputs_agree` (the ranks' agreement on a micro-batch's shapes, host side).
+- `view`: `TokenView`, `RowsView`, `PackedView` (where a micro-batch's tokens are);
+- `micro_batch`: `micro_batch_loss` (the one micro-batch entry point), its seed shells
+  `sequence_packing_loss` and `wrap_loss_fn_with_input_preparation`, `Prepare` /
+  `seed_prepare`, and `check_inputs_agree` (the ranks' agreement on a micro-batch's shapes,
+  host side).
 """
 
 from compiled_loss.packing.boundaries import CpuIntTuple, check_cu_seqlens, to_cpu_int_tuple
 from compiled_loss.packing.layout import BucketGrid, PackedLayout, pad_to_bucket, round_to_bucket, row_width
-from compiled_loss.packing.loss import check_inputs_agree, sequence_packing_loss, wrap_loss_fn_with_input_preparation
+from compiled_loss.packing.micro_batch import (
+    Prepare,
+    check_inputs_agree,
+    micro_batch_loss,
+    seed_prepare,
+    sequence_packing_loss,
+    wrap_loss_fn_with_input_preparation,
+)
 from compiled_loss.packing.transforms import (
     pack_input_ids,
     pack_rolled_draft_token_mask,
@@ -20,13 +31,19 @@ from compiled_loss.packing.transforms import (
     roll_packed_seq_dim,
     roll_within_segments,
 )
+from compiled_loss.packing.view import PackedView, RowsView, TokenView
 
 __all__ = [
     "BucketGrid",
     "CpuIntTuple",
     "PackedLayout",
+    "PackedView",
+    "Prepare",
+    "RowsView",
+    "TokenView",
     "check_cu_seqlens",
     "check_inputs_agree",
+    "micro_batch_loss",
     "pack_input_ids",
     "pack_rolled_draft_token_mask",
     "pack_source_index",
@@ -34,6 +51,7 @@ __all__ = [
     "roll_packed_seq_dim",
     "roll_within_segments",
     "round_to_bucket",
+    "seed_prepare",
     "row_width",
     "sequence_packing_loss",
     "to_cpu_int_tuple",

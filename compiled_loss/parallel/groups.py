@@ -1,8 +1,11 @@
 """Process groups: sizes and ranks (1 and 0 without a group or without torch.distributed),
-and the host-side agreement check that runs before shape-dependent collectives."""
+`ParallelGroups` (the one object that carries a run's tensor-, context- and data-parallel
+groups from the step down to the collectives), and the host-side agreement check that runs
+before shape-dependent collectives."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -21,6 +24,55 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """The tensor- (vocabulary), context- (sequence) and data-parallel process groups; None
+    where a size is 1 or without torch.distributed. Passed as one argument from the training
+    step and the wrappers down to the collectives: `tp` is the vocabulary group the vocab
+    primitive reduces over, `cp` the context group the token view shards positions over,
+    `dp` the group the normalisers and metrics are summed over."""
+
+    tp: Any = None
+    cp: Any = None
+    dp: Any = None
+
+    @staticmethod
+    def of_seed(
+        vocab_parallel_rank: int | None, vocab_parallel_group: Any, context_parallel_group: Any
+    ) -> ParallelGroups:
+        """The groups of the seed signatures' `vocab_parallel_rank` / `vocab_parallel_group` /
+        `context_parallel_group` arguments; the rank, passed beside the group, must be the group's."""
+        if vocab_parallel_rank is not None and vocab_parallel_rank != group_rank(vocab_parallel_group):
+            raise ValueError(
+                f"vocab_parallel_rank={vocab_parallel_rank} is not this process's rank "
+                f"{group_rank(vocab_parallel_group)} in vocab_parallel_group"
+            )
+        return ParallelGroups(tp=vocab_parallel_group, cp=context_parallel_group)
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return group_size(self.tp), group_size(self.cp), group_size(self.dp)
+
+    @property
+    def rank(self) -> int:
+        """Global rank (0 for a single process)."""
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def rank_count(self) -> int:
+        """Processes in the run."""
+        tp, cp, dp = self.sizes
+        return tp * cp * dp
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.tp)
+
+    @property
+    def dp_rank(self) -> int:
+        return group_rank(self.dp)
 
 
 def _signature(value: Any) -> Any:

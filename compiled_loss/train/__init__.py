@@ -2,12 +2,12 @@
 compile recorder the step and the audit report with.
 
 - `step`: `build_train_step`, `TrainStep`, `StepResult`;
-- `compile`: `compile_loss`;
+- `compile_loss`, `CompiledModule` (defined in `compiled_loss.compile`);
 - `recorder`: `CompileRecorder` (graphs, graph breaks, in-graph host syncs, recompiles,
   frames that fell back to eager).
 """
 
-from compiled_loss.train.compile import CompiledModule, compile_loss
+from compiled_loss.compile import CompiledModule, compile_loss
 from compiled_loss.train.recorder import CompileRecorder, CompileReport
 from compiled_loss.train.step import StepResult, TrainStep, build_train_step
 

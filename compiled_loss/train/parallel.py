@@ -3,12 +3,12 @@ parallel, from `torchrun` (one node or many; gloo on CPU, NCCL on CUDA).
 
 Ranks are laid out as a `(dp, cp, tp)` device mesh: `rank = (dp_rank · cp + cp_rank) · tp
 + tp_rank`. TP and CP ranks of one data-parallel replica see the same rows; each DP replica
-sees its own share of the global batch.
+sees its own share of the global batch. `ParallelGroups` (defined in
+`compiled_loss.parallel`) holds the three groups.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -17,39 +17,7 @@ import torch.distributed as dist
 
 from compiled_loss.config import ParallelConfig
 from compiled_loss.metrics import combine_metrics
-from compiled_loss.parallel import group_rank, group_size
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelGroups:
-    """The three process groups (None when their size is 1, or without torch.distributed)."""
-
-    tp: Any = None
-    cp: Any = None
-    dp: Any = None
-
-    @property
-    def sizes(self) -> tuple[int, int, int]:
-        return group_size(self.tp), group_size(self.cp), group_size(self.dp)
-
-    @property
-    def rank(self) -> int:
-        """Global rank (0 for a single process)."""
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-    @property
-    def rank_count(self) -> int:
-        """Processes in the run."""
-        tp, cp, dp = self.sizes
-        return tp * cp * dp
-
-    @property
-    def tp_rank(self) -> int:
-        return group_rank(self.tp)
-
-    @property
-    def dp_rank(self) -> int:
-        return group_rank(self.dp)
+from compiled_loss.parallel import ParallelGroups, group_size
 
 
 def world_size_from_env() -> int:

@@ -1,14 +1,17 @@
-"""The compiled training step: `build_train_step(cfg, model, optimizer, groups)`.
+"""The compiled training step: `build_train_step(cfg, model, optimizer, groups)`, or
+`TrainStep(model, optimizer, loss_fn, StepOptions(...), groups)` with what a step needs
+(`StepOptions.of(cfg)` reads it from a run config; the config keys are named below).
 
 Per batch (host side): check the batch (`validate_batch`, unless `run.validate_inputs=false`;
 token ids against `model.vocab_size`), compute the global normalisers `global_valid_seqs` /
 `global_valid_toks` (summed over the data-parallel group), split the rows into
 `run.micro_batches` micro-batches (keeping DPO pairs together), and for each build the
 bucketed layout (`PackedLayout`, or bucketed padding for `packing=none`) on the host.
-Then, per micro-batch, ONE compiled function runs the model forward and the loss wrapper;
-its backward accumulates gradients. Finally the optimizer steps, and each micro-batch's
-metrics, converted to Python floats, are combined with every data-parallel replica's
-through the registry (`compiled_loss.metrics`: sum, mean, min or max per key).
+Then, per micro-batch, ONE compiled function runs the model forward and the micro-batch
+entry point (`compiled_loss.packing.micro_batch_loss`); its backward accumulates
+gradients. Finally the optimizer steps, and each micro-batch's metrics, converted to Python
+floats, are combined with every data-parallel replica's through the registry
+(`compiled_loss.metrics`: sum, mean, min or max per key).
 
 Use it with your own model: any `torch.nn.Module` whose
 `forward(input_ids, position_ids, segment_ids) -> logits` attends causally within a
@@ -51,7 +54,8 @@ from typing import Any
 
 import torch
 
-from compiled_loss.config import Config, PackingMode, build_loss
+from compiled_loss.compile import CompiledModule, compile_loss
+from compiled_loss.config import CompileConfig, Config, PackingMode
 from compiled_loss.draft import (
     DraftBatch,
     DraftRuntimeBase,
@@ -60,23 +64,16 @@ from compiled_loss.draft import (
     aux_hidden_states,
     with_draft_loss,
 )
-from compiled_loss.inputs import prepare_loss_input, prepare_packed_loss_input, validate_batch
-from compiled_loss.interfaces import vocab_sharded
+from compiled_loss.inputs import Preparation, PrepareOptions, validate_batch
+from compiled_loss.interfaces import InputSpec, LossFunction
 from compiled_loss.metrics import metrics_to_python, with_ratios
-from compiled_loss.packing import (
-    PackedLayout,
-    pad_to_bucket,
-    round_to_bucket,
-    sequence_packing_loss,
-    wrap_loss_fn_with_input_preparation,
-)
+from compiled_loss.packing import BucketGrid, PackedLayout, micro_batch_loss, pad_to_bucket, round_to_bucket
 from compiled_loss.packing.context import ContextShards
 from compiled_loss.parallel import check_agreement, group_size
 from compiled_loss.parallel.collectives import all_gather
-from compiled_loss.train.compile import CompiledModule, compile_loss
 from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, combine_over, gradient_scale
 from compiled_loss.train.recorder import CompileRecorder
-from compiled_loss.vocab import per_position
+from compiled_loss.vocab import TrainingSamplingParams, per_position
 
 Tensor = torch.Tensor
 
@@ -129,21 +126,6 @@ def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_log
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 
-def _packed_loss(logits, layout: PackedLayout, data, g_seqs, g_toks, *, loss_fn, prepare_fn, fused, tp, cp):
-    return sequence_packing_loss(
-        logits,
-        data,
-        g_seqs,
-        g_toks,
-        loss_fn=loss_fn,
-        prepare_fn=prepare_fn,
-        layout=layout,
-        fused=fused,
-        vocab_parallel_group=tp,
-        context_parallel_group=cp,
-    )
-
-
 def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_layers=None):
     """Model forward on the padded `[B_b, S_b]` micro-batch (rows padded to a multiple of
     2·cp; this TP rank's vocabulary shard), this CP rank's positions of it, and the
@@ -175,16 +157,21 @@ def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_lay
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 
-def _padded_loss(logits, data, g_seqs, g_toks, *, loss_fn, prepare_fn, tp, cp):
-    return wrap_loss_fn_with_input_preparation(
+def _loss(logits, *inputs, loss_fn, spec, prepare, per_sequence, parallel):
+    """The micro-batch entry point on one of the step's micro-batches: `inputs` is
+    `(data, g_seqs, g_toks)` for padded rows, `(layout, data, g_seqs, g_toks)` packed."""
+    *layout, data, g_seqs, g_toks = inputs
+    return micro_batch_loss(
         logits,
         data,
         g_seqs,
         g_toks,
         loss_fn=loss_fn,
-        prepare_fn=prepare_fn,
-        vocab_parallel_group=tp,
-        context_parallel_group=cp,
+        spec=spec,
+        prepare=prepare,
+        layout=layout[0] if layout else None,
+        per_sequence=per_sequence,
+        parallel=parallel,
     )
 
 
@@ -230,6 +217,57 @@ def packed_boundaries(lengths: list[int], multiple: int) -> tuple[tuple[int, ...
     return tuple(cu), tuple(cu_padded)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """What a training step needs besides the model, the optimizer, the loss and the process
+    groups (the run config's keys in parentheses; `StepOptions.of` reads them)."""
+
+    packing: PackingMode = PackingMode.fused
+    """How micro-batches are laid out and prepared (`packing.mode`): padded rows, or packed
+    with per-sequence or fused input preparation."""
+    grid: BucketGrid = BucketGrid()
+    """The bucket grid of the compiled shapes (`packing.tokens` / `.rows` / `.width` / `.per_octave`)."""
+    pad_to_multiple: int = 1
+    """Packed sequences are padded to a multiple of it (`packing.pad_to_multiple`)."""
+    sampling_params: TrainingSamplingParams | None = None
+    """The generation-time top-k / top-p filter of log-prob inputs (`logprob.top_k`, `.top_p`)."""
+    chunk_size: int | None = None
+    """Rows per chunk of the eager vocab primitive (`logprob.chunk_size`)."""
+    temperature: float = 1.0
+    """The logits are divided by it before the loss (`logprob.temperature`)."""
+    linear_logits: bool = False
+    """The model returns `LinearLogits` (`logprob.fused_linear`)."""
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    """Whether and how the step compiles (`compile`)."""
+    micro_batches: int = 1
+    """Micro-batches per optimizer step (`run.micro_batches`)."""
+    validate_inputs: bool = True
+    """Check every batch on the host first (`run.validate_inputs`)."""
+    vocab_size: int | None = None
+    """Token ids are checked against it (`model.vocab_size`)."""
+    grad_clip: float | None = None
+    """Gradient-norm clip of the policy and, on its own, of the drafter (`optim.grad_clip`)."""
+
+    @staticmethod
+    def of(cfg: Config) -> StepOptions:
+        """The options a run config describes."""
+        packing, logprob = cfg.packing, cfg.logprob
+        return StepOptions(
+            packing=packing.mode,
+            grid=packing.grid(),
+            pad_to_multiple=packing.pad_to_multiple,
+            sampling_params=logprob.sampling_params(),
+            chunk_size=logprob.chunk_size,
+            temperature=logprob.temperature,
+            linear_logits=logprob.fused_linear,
+            compile=cfg.compile,
+            micro_batches=cfg.run.micro_batches,
+            validate_inputs=cfg.run.validate_inputs,
+            vocab_size=cfg.model.vocab_size,
+            grad_clip=cfg.optim.grad_clip,
+        )
+
+
 @dataclasses.dataclass
 class StepResult:
     metrics: dict[str, float]
@@ -243,46 +281,33 @@ class TrainStep:
 
     def __init__(
         self,
-        cfg: Config,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        loss_fn: LossFunction,
+        options: StepOptions = StepOptions(),
         groups: ParallelGroups = ParallelGroups(),
         draft_runtime: DraftRuntimeBase | None = None,
-        loss_fn: Any = None,
     ) -> None:
-        self.cfg, self.model, self.optimizer, self.groups = cfg, model, optimizer, groups
-        self.draft_runtime, self.global_batch = draft_runtime, -1
-        cp = groups.sizes[1]
+        self.model, self.optimizer, self.loss_fn, self.options = model, optimizer, loss_fn, options
+        self.groups, self.draft_runtime, self.global_batch = groups, draft_runtime, -1
         capture = dict(aux_layers=draft_runtime.aux_layers) if draft_runtime is not None else {}
-        capture["linear_logits"] = cfg.logprob.fused_linear
-        self.loss_fn = build_loss(cfg.loss) if loss_fn is None else loss_fn
-        self.loss_scale = gradient_scale(groups.sizes, vocab_sharded=vocab_sharded(self.loss_fn))
-        self.pairs = getattr(self.loss_fn, "rows_are_pairs", False)
+        capture["linear_logits"] = options.linear_logits
+        spec = InputSpec.of(loss_fn)
+        self.loss_scale = gradient_scale(groups.sizes, vocab_sharded=spec.vocab_sharded)
+        self.pairs = spec.pairs
         self.buckets: set[tuple[int, ...]] = set()
-        packing = cfg.packing
-        self.grid = packing.grid()
-        lp = cfg.logprob
-        prepare_kwargs = dict(sampling_params=lp.sampling_params(), chunk_size=lp.chunk_size)
-        groups_kw = dict(tp=groups.tp, cp=groups.cp)
-        if packing.mode == PackingMode.none:
-            self._logits = functools.partial(_padded_logits, temperature=lp.temperature, cp=groups.cp, **capture)
-            loss: Callable[..., Any] = functools.partial(
-                _padded_loss,
-                loss_fn=self.loss_fn,
-                prepare_fn=functools.partial(prepare_loss_input, **prepare_kwargs),
-                **groups_kw,
-            )
-        else:  # per-sequence semantics under CP: each rank's slots, as SequencePackingLossWrapper does
-            fused = packing.mode == PackingMode.fused or cp > 1
-            base = prepare_packed_loss_input if fused else prepare_loss_input
-            self._logits = functools.partial(_packed_logits, temperature=lp.temperature, **capture)
-            loss = functools.partial(
-                _packed_loss,
-                loss_fn=self.loss_fn,
-                prepare_fn=functools.partial(base, **prepare_kwargs),
-                fused=fused,
-                **groups_kw,
-            )
+        if options.packing == PackingMode.none:
+            self._logits = functools.partial(_padded_logits, temperature=options.temperature, cp=groups.cp, **capture)
+        else:
+            self._logits = functools.partial(_packed_logits, temperature=options.temperature, **capture)
+        loss: Callable[..., Any] = functools.partial(
+            _loss,
+            loss_fn=loss_fn,
+            spec=spec,
+            prepare=Preparation(loss_fn, spec, PrepareOptions(groups, options.sampling_params, options.chunk_size)),
+            per_sequence=options.packing == PackingMode.per_sequence,
+            parallel=groups,
+        )
         # Parallel runs replicate the model with DistributedDataParallel, whose forward does
         # not trace: DDP runs eagerly around the compiled model, and the loss compiles alone
         self._model_outside = groups.rank_count > 1
@@ -291,7 +316,7 @@ class TrainStep:
             fn = functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss, draft=draft)
         else:
             fn = loss if draft is None else functools.partial(_loss_and_draft, loss_fn=loss, draft=draft)
-        c = cfg.compile
+        c = options.compile
         self.recorder = CompileRecorder(c.backend, "train step", c.mode) if c.enabled else None
         self.model_recorder = CompileRecorder(c.backend, "model", c.mode) if c.enabled and self._model_outside else None
         if self.recorder is not None:
@@ -320,8 +345,8 @@ class TrainStep:
         batch = {k: v.to(device) for k, v in batch.items()}
         if "input_lengths" not in batch:
             raise ValueError(f"batch must hold 'input_lengths' ([B] sequence lengths); present: {sorted(batch)}")
-        if self.cfg.run.validate_inputs:
-            validate_batch(batch, vocab_size=self.cfg.model.vocab_size)
+        if self.options.validate_inputs:
+            validate_batch(batch, vocab_size=self.options.vocab_size)
         lengths = batch.pop("input_lengths").tolist()  # host: boundaries are Python ints
         if self.pairs and len(lengths) % 2:
             raise ValueError(
@@ -331,7 +356,7 @@ class TrainStep:
         if not lengths:
             raise ValueError("the batch has no rows (input_lengths is empty)")
         # a batch of fewer rows (pairs) than run.micro_batches runs fewer micro-batches
-        ranges = split_rows(len(lengths), self.cfg.run.micro_batches, 2 if self.pairs else 1)
+        ranges = split_rows(len(lengths), self.options.micro_batches, 2 if self.pairs else 1)
         # every rank runs a collective per micro-batch (DDP's gradient all-reduce, the
         # wrappers' TP / CP collectives), and the TP / CP ranks of a replica read the same rows
         check_agreement(
@@ -374,12 +399,11 @@ class TrainStep:
         if self.draft_runtime is not None and self._model_outside:
             self._sync_drafter_grads()
         step_wide: dict[str, Tensor] = {}
-        if self.cfg.optim.grad_clip is not None:  # the drafter's parameters are clipped on their own
-            step_wide["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        clip = self.options.grad_clip
+        if clip is not None:  # the drafter's parameters are clipped on their own
+            step_wide["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             if self.draft_runtime is not None:
-                step_wide["draft_grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                    self.draft_runtime.parameters(), self.cfg.optim.grad_clip
-                )
+                step_wide["draft_grad_norm"] = torch.nn.utils.clip_grad_norm_(self.draft_runtime.parameters(), clip)
         self.optimizer.step()
         step_wide.update(global_valid_seqs=g_seqs, global_valid_toks=g_toks)  # the same on every rank
         # every replica's micro-batch fragments, combined as one list (a mean counts each fragment)
@@ -403,15 +427,15 @@ class TrainStep:
             g.copy_(part.view_as(g))
 
     def _micro_step(self, micro, lengths, g_seqs, g_toks, n_micro, device):
-        rows = len(lengths)
-        num_rows = round_to_bucket(rows, self.grid.rows, self.grid.per_octave)
-        if self.cfg.packing.mode == PackingMode.none:
-            data = pad_to_bucket(micro, rows, num_rows, self.grid)
+        rows, grid = len(lengths), self.options.grid
+        num_rows = round_to_bucket(rows, grid.rows, grid.per_octave)
+        if self.options.packing == PackingMode.none:
+            data = pad_to_bucket(micro, rows, num_rows, grid)
             shape = tuple(data["input_ids"].shape)
             self.buckets.add(shape)
             return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), shape[0] * shape[1])
-        cu, cu_padded = packed_boundaries(lengths, self.cfg.packing.pad_to_multiple)
-        layout = PackedLayout.build(cu, cu_padded, grid=self.grid, device=device, context_parallel_group=self.groups.cp)
+        cu, cu_padded = packed_boundaries(lengths, self.options.pad_to_multiple)
+        layout = PackedLayout.build(cu, cu_padded, grid=grid, device=device, context_parallel_group=self.groups.cp)
         data = layout.pad_data(micro)
         self.buckets.add((layout.tokens,) + tuple(data["input_ids"].shape))
         return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), layout.tokens)
@@ -433,11 +457,12 @@ def build_train_step(
     optimizer: torch.optim.Optimizer,
     groups: ParallelGroups = ParallelGroups(),
     draft_runtime: DraftRuntimeBase | None = None,
-    loss_fn: Any = None,
+    loss_fn: LossFunction | None = None,
 ) -> TrainStep:
     """The compiled training step a config describes (see the module docstring); with a
     `draft_runtime`, the drafter trains in the same graph on the policy's outputs at its
     `aux_layers` (the optimizer must hold the drafter's parameters too). `loss_fn`: the loss
-    object, for losses whose construction needs more than their config (default:
-    `build_loss(cfg.loss)`)."""
-    return TrainStep(cfg, model, optimizer, groups, draft_runtime, loss_fn)
+    object, for losses whose construction needs more than their config (default: the one
+    the config built, `cfg.loss_fn`)."""
+    loss_fn = cfg.loss_fn if loss_fn is None else loss_fn
+    return TrainStep(model, optimizer, loss_fn, StepOptions.of(cfg), groups, draft_runtime)

@@ -17,11 +17,11 @@ import pytest
 import torch
 from common import TINY_TASK
 
-import compiled_loss.demo.checkpoint as checkpoint
-import compiled_loss.demo.loop as loop
+import compiled_loss.app.checkpoint as checkpoint
+import compiled_loss.app.loop as loop
 from compiled_loss.app import compose_config
-from compiled_loss.demo.checkpoint import load_checkpoint, save_checkpoint
-from compiled_loss.demo.loop import build_run, train
+from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
+from compiled_loss.app.loop import build_run, train
 from compiled_loss.train.parallel import init_parallel
 
 SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=3", "run.steps=4", "run.save_every=2"]

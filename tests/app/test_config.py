@@ -3,12 +3,21 @@ override fails at start-up with a message that names the key (and the valid choi
 
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
+import enum
+import inspect
+import math
+import pickle
+import re
 import subprocess
 import sys
+import textwrap
 import typing
 import unittest.mock
 import zipfile
+from pathlib import Path
 
 import pytest
 from expecttest import TestCase
@@ -20,7 +29,24 @@ from compiled_loss.app import load_config
 from compiled_loss.app.store import GROUP_SCHEMAS, check_run
 from compiled_loss.checks import ConfigError
 from compiled_loss.config import DRAFT_KINDS, LOSS_KINDS, Config, PackingMode, RunConfig, build_loss
+from compiled_loss.config.drafts import Eagle3DraftOption
+from compiled_loss.config.losses import (
+    ClippedPgLossOption,
+    DistillationLossOption,
+    DpoLossOption,
+    KlType,
+    NllLossOption,
+    OpdFullLossOption,
+)
 from compiled_loss.interfaces import LossType
+from compiled_loss.losses import (
+    ClippedPGLossConfig,
+    ClippedPGLossFn,
+    DistillationLossConfig,
+    DPOLossFn,
+    NLLLossFn,
+    OPDFullConfig,
+)
 
 
 def composed(*overrides: str):
@@ -180,6 +206,7 @@ class TestStartupErrors(TestCase):
         )
 
 
+@pytest.mark.slow
 def test_wheel_ships_the_yaml(tmp_path):
     """A wheel built from the repo carries conf/ as compiled_loss/conf (runs from any dir)."""
     subprocess.run(
@@ -197,6 +224,7 @@ def test_wheel_ships_the_yaml(tmp_path):
     } <= names
 
 
+@pytest.mark.slow
 def test_help_lists_the_real_options_of_each_group():
     out = subprocess.run(
         [sys.executable, "-m", "compiled_loss.run", "--help"], check=True, capture_output=True, text=True
@@ -235,6 +263,99 @@ def test_help_lists_the_real_options_of_each_group():
 )
 def test_every_numeric_option_is_validated_naming_the_key(override, message):
     assert error(override) == message
+
+
+# ---------------------------------------------------------------------------------------
+# option classes written in the source; the loss a Config describes, built once
+# ---------------------------------------------------------------------------------------
+
+SCHEMAS = [Config, *GROUP_SCHEMAS.values(), *LOSS_KINDS, *DRAFT_KINDS]
+
+
+def _documented(cls: type) -> set[str]:
+    """The fields `cls`'s own class body declares with a docstring under them."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        stmt.target.id
+        for stmt, after in zip(body, body[1:])
+        if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value.value, str)
+    }
+
+
+@pytest.mark.parametrize("cls", SCHEMAS, ids=lambda c: c.__name__)
+def test_every_schema_is_a_class_in_the_source_with_a_docstring_under_each_field(cls):
+    """grep finds each class; each key is documented where it is declared (an option's keys
+    by its loss's or drafter's config, which the option subclasses)."""
+    assert re.search(rf"^class {cls.__name__}\b", Path(inspect.getfile(cls)).read_text(), re.MULTILINE)
+    documented = set().union(*(_documented(c) for c in cls.__mro__ if dataclasses.is_dataclass(c)))
+    assert {f.name for f in dataclasses.fields(cls)} - documented == set()
+
+
+def _plain(hint):
+    """A field's type with a `Literal` or an Enum as the tuple of its choices."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return args
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        assert [m.name for m in hint] == [m.value for m in hint], hint  # Hydra reads a choice by its name
+        return tuple(m.value for m in hint)
+    if type(None) in args and len(args) == 2:
+        return _plain(next(a for a in args if a is not type(None))), None
+    return hint
+
+
+@pytest.mark.parametrize("cls", [*LOSS_KINDS, *DRAFT_KINDS], ids=lambda c: c.__name__)
+def test_an_option_redeclares_only_its_configs_choices_as_enums_with_the_same_values_and_default(cls):
+    """Each key has the type (a `Literal` as an Enum of the same choices) and default of the
+    config class that first declares it."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        origin = [c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {})][-1]
+        declared = next(g for g in dataclasses.fields(origin) if g.name == f.name)
+        assert _plain(hints[f.name]) == _plain(typing.get_type_hints(origin)[f.name]), f.name
+        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        assert f.name == "name" or default == declared.default, f.name
+
+
+def test_an_option_is_its_config_and_checks_its_fields_naming_itself():
+    assert isinstance(ClippedPgLossOption(), ClippedPGLossConfig)
+    assert isinstance(OpdFullLossOption(), OPDFullConfig) and isinstance(OpdFullLossOption(), ClippedPGLossConfig)
+    self_check = [
+        (
+            lambda: ClippedPgLossOption(name="gspo", ratio_clip_c=math.nan),
+            "loss=gspo: ratio_clip_c must be finite, got nan",
+        ),
+        (lambda: OpdFullLossOption(chunk_size=0), "loss=opd_full: opd_full.chunk_size must be None or >= 1, got 0"),
+        (lambda: OpdFullLossOption(ratio_clip_min=-1.0), "loss=opd_full: ratio_clip_min must be >= 0, got -1.0"),
+        (lambda: Eagle3DraftOption(ttt_steps=0), "draft=eagle3: ttt_steps must be >= 1, got 0"),
+    ]
+    for build, message in self_check:
+        with pytest.raises(ConfigError) as info:
+            build()
+        assert str(info.value) == message
+    # the loss gets plain strings, not the option's Enums
+    built = build_loss(DistillationLossOption(kl_type=KlType.reverse))
+    assert type(built.cfg) is DistillationLossConfig and type(built.cfg.kl_type) is str
+
+
+def test_the_loss_is_built_once_and_is_no_field():
+    with unittest.mock.patch("compiled_loss.config.root.build_loss", wraps=build_loss) as built:
+        cfg = Config(loss=DpoLossOption(sft_loss_weight=0.5))
+        assert cfg.loss_fn is cfg.loss_fn
+    assert built.call_count == 1  # by the checks of `Config.__post_init__`, then kept
+    assert type(cfg.loss_fn) is DPOLossFn and cfg.loss_fn.cfg.sft_loss_weight == 0.5
+    assert "loss_fn" not in [f.name for f in dataclasses.fields(Config)]
+    assert "loss_fn" not in OmegaConf.structured(Config) and "loss_fn" not in composed()
+    assert cfg == Config(loss=DpoLossOption(sft_loss_weight=0.5))
+
+
+def test_a_config_pickles_copies_and_replaces_with_its_loss():
+    cfg = typed("loss=cispo")
+    for copied in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):  # a Ray worker's copy
+        assert copied == cfg and copied.loss_fn == cfg.loss_fn and copied.loss_fn is not cfg.loss_fn
+    other = dataclasses.replace(cfg, loss=NllLossOption())
+    assert type(other.loss_fn) is NLLLossFn and type(cfg.loss_fn) is ClippedPGLossFn
+    assert cfg.loss_fn.cfg.use_cispo
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from compiled_loss.app import compose_config
-from compiled_loss.demo.loop import train
+from compiled_loss.app.loop import train
+
+pytestmark = pytest.mark.slow  # two full runs with Inductor
 
 SMALL = [
     "model.vocab_size=32",

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from compiled_loss.app import compose_config
-from compiled_loss.demo.loop import train
+from compiled_loss.app.loop import train
+
+pytestmark = pytest.mark.slow  # trains the runner for many steps
 
 SMALL = [
     "model.vocab_size=32",

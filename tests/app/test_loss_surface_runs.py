@@ -12,7 +12,9 @@ import torch
 from common import TINY_TASK
 
 from compiled_loss.app import compose_config
-from compiled_loss.demo.loop import train
+from compiled_loss.app.loop import train
+
+pytestmark = pytest.mark.slow  # full runner runs
 
 SMALL = [*TINY_TASK, "compile.backend=aot_eager", "run.sft_steps=1", "run.steps=6"]
 

@@ -10,9 +10,9 @@ import math
 
 from common import TINY_TASK
 
-import compiled_loss.demo.loop as loop
+import compiled_loss.app.loop as loop
 from compiled_loss.app import compose_config
-from compiled_loss.demo.loop import train
+from compiled_loss.app.loop import train
 
 SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=1", "run.steps=2"]
 

@@ -21,9 +21,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from compiled_loss.app import compose_config
+from compiled_loss.app.loop import train
 from compiled_loss.checks import ConfigError
 from compiled_loss.config import PackingMode
-from compiled_loss.demo.loop import train
 
 SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=1", "run.sft_steps=1"]
 LOSSES = [
@@ -86,6 +86,7 @@ def grid():
     return combos, loaded
 
 
+@pytest.mark.slow
 def test_every_pair_of_options_that_loads_runs(grid, tmp_path):
     combos, loaded = grid
     needed = set().union(*(_pairs(c) for c in loaded))

@@ -13,7 +13,7 @@ import sys
 import pytest
 from common import TINY_TASK
 
-from compiled_loss.demo.curves import read_metrics
+from compiled_loss.app.curves import read_metrics
 from compiled_loss.plot import labels, main, run_dirs
 
 pytest.importorskip("matplotlib", reason="the curves need matplotlib (pip install -e '.[plot]'; CI installs it)")
@@ -22,6 +22,7 @@ SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=2", "run.steps=3"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_sweep_writes_curves_and_the_plot_command_overlays_them(tmp_path):
     subprocess.run(
         [
@@ -61,6 +62,7 @@ def test_a_sweep_writes_curves_and_the_plot_command_overlays_them(tmp_path):
     assert overlay.startswith(PNG) and len(overlay) > 50_000
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_runner_skips_the_png_with_one_line(tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None; from compiled_loss.app.run import main; "

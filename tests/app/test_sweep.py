@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from common import SMALL_RUN
 
 from compiled_loss.app.run import main
+
+pytestmark = pytest.mark.slow  # a Hydra multirun of several jobs
 
 SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.backend=eager", "run.steps=1", "run.sft_steps=1"]
 

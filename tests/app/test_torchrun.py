@@ -14,6 +14,8 @@ import time
 import pytest
 from common import SMALL_RUN
 
+pytestmark = pytest.mark.slow  # torchrun: several processes per test
+
 SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.backend=aot_eager", "run.steps=2", "run.sft_steps=0"]
 COMPARED = (
     "loss",

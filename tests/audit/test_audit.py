@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from compiled_loss.audit.cli import main
 
 
@@ -56,6 +58,7 @@ def test_clean_target_passes(tmp_path):
     assert code == 0 and rows[0]["failures"] == [] and rows[0]["buckets"] == 2
 
 
+@pytest.mark.slow
 def test_project_matrix_passes(tmp_path):
     code, rows = run(
         tmp_path,
@@ -92,6 +95,7 @@ def test_default_run_is_the_representative_subset():
     assert chosen == [("dpo", p, r, d, "eager") for p in PACKINGS for r in DRAFTS for d in DTYPES]
 
 
+@pytest.mark.slow
 def test_distributed_mode_reports_every_rank(tmp_path):
     """`torchrun … compiled_loss.audit.cli tp=2`: every rank's training step (the compiled loss and
     the model, which DDP keeps apart), with and without a co-trained drafter."""

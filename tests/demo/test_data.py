@@ -1,6 +1,5 @@
-"""The on-policy task: prompts and their correct responses, rewards from sampled tokens,
-GRPO advantages (NeMo-RL's baseline, leave-one-out and std-normalisation), DPO pairs from
-sampled groups, and the rows a sampled batch becomes."""
+"""The on-policy task: prompts and their correct responses, rewards from sampled tokens, and
+the rows a sampled batch becomes."""
 
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ from compiled_loss.demo.data import (
     FIRST_VALUE,
     PAD,
     correct_batch,
-    grpo_advantages,
-    preference_pairs,
     sampled_batch,
     score,
     task_prompts,
@@ -60,41 +57,6 @@ def test_rewards_count_correct_tokens_and_eos_over_the_longer_response():
     assert reward([EOS]) == 0.0
 
 
-def _nemo_rl_advantages(rewards, group, leave_one_out, normalize):
-    """`calculate_baseline_and_std_per_prompt` + `normalize_advantages_with_epsilon`, per group."""
-    out = []
-    for g in rewards.view(-1, group):
-        mask = (torch.ones(group, group) - (torch.eye(group) if leave_one_out else 0)).double()
-        if group <= 1:
-            baseline, std = g, torch.zeros_like(g)
-        else:
-            n = group - int(leave_one_out)
-            baseline, square = mask @ g / n, mask @ g.square() / n
-            std = (square - baseline.square()).sqrt().nan_to_num(0)
-        a = g - baseline
-        if normalize:
-            a = torch.where(std > 0, a / (std + 1e-6), a)
-        out.append(a)
-    return torch.cat(out)
-
-
-@pytest.mark.parametrize("leave_one_out", [False, True])
-@pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize("group", [1, 2, 4])
-def test_grpo_advantages_are_nemo_rls(leave_one_out, normalize, group):
-    rewards = torch.tensor([0.0, 1.0, 0.5, 0.25, 0.7, 0.7, 0.7, 0.7], dtype=torch.float64)
-    got = grpo_advantages(rewards, group, leave_one_out=leave_one_out, normalize=normalize)
-    torch.testing.assert_close(got, _nemo_rl_advantages(rewards, group, leave_one_out, normalize), rtol=1e-9, atol=1e-9)
-    if group == 4:
-        assert got[4:].abs().max() < 1e-9  # a group of equal rewards teaches nothing
-
-
-def test_the_mean_baseline_normalised_is_the_z_score():
-    rewards = torch.tensor([0.0, 1.0, 0.5, 0.25])
-    z = (rewards - rewards.mean()) / (rewards.std(correction=0) + 1e-6)
-    torch.testing.assert_close(grpo_advantages(rewards, 4), z)
-
-
 def _sampled(prompts, tokens: list[list[int]]):
     width = prompts.targets.shape[1]
     padded = torch.tensor([t + [PAD] * (width - len(t)) for t in tokens])
@@ -119,25 +81,3 @@ def test_sampled_rows_hold_prompt_response_and_the_samplers_logprobs():
     assert batch["rewards"].tolist()[0] == 1.0 and batch["advantages"].shape == batch["input_ids"].shape
     correct = correct_batch(p)
     assert torch.equal(correct["input_ids"][0], batch["input_ids"][0]) and (correct["rewards"] == 1).all()
-
-
-def test_dpo_pairs_are_each_groups_best_and_worst():
-    p = _prompts(3).repeat(3)
-    exact = [p.targets[i, : p.target_lengths[i]].tolist() for i in range(9)]
-    tokens = [
-        exact[0][:1],
-        exact[1],
-        [EOS],  # group 0: best row 1, worst row 2
-        exact[3],
-        exact[4],
-        exact[5],  # group 1: all correct, a tie
-        [EOS],
-        exact[7][:2],
-        exact[8],
-    ]  # group 2: best row 8, worst row 6
-    pairs = preference_pairs(_sampled(p, tokens), 3)
-    assert pairs["input_ids"].shape[0] == 6
-    assert pairs["rewards"].tolist()[0] == 1.0 and pairs["rewards"].tolist()[4] == 1.0
-    assert pairs["rewards"][1] == pairs["rewards"][5] == 0.0
-    assert pairs["sample_mask"].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
-    assert "advantages" not in pairs and "generation_logprobs" not in pairs

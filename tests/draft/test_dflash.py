@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compiled_loss.app.batches import sample_batch
 from compiled_loss.checks import ConfigError
 from compiled_loss.config import DataConfig, ModelConfig
-from compiled_loss.demo.data import sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.draft import DraftBatch, anchor_noise, anchor_seed
 from compiled_loss.draft.dflash import (
@@ -383,6 +383,7 @@ def test_packed_row_equals_unpacked_rows():
     assert torch.equal(runtime.drafter.embed.weight, policy.embed.weight)
 
 
+@pytest.mark.slow
 def test_one_compile_over_batches_with_varying_anchor_counts(one_thread):
     torch._dynamo.reset()
     policy = _policy(seed=3)
@@ -429,6 +430,7 @@ def test_one_compile_over_batches_with_varying_anchor_counts(one_thread):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_raises_tau(one_thread):
     model = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, max_positions=256)
     data = DataConfig(prompts=4, group_size=2, response_median=12.0, response_max=24, modulus=64)
@@ -479,8 +481,8 @@ def test_training_lowers_the_loss_and_raises_tau(one_thread):
         ({"num_heads": 2.0}, "num_heads must be an int, got float 2.0"),
         ({"token_chunk_size": 0}, "token_chunk_size must be None or >= 1, got 0"),
         (
-            {"aux_layers": (1, 0)},
-            "aux_layers must be None or a non-empty strictly ascending tuple of layer indices >= 0, got (1, 0)",
+            {"aux_layers": (1, 1)},
+            "aux_layers must be None or a non-empty tuple of distinct layer indices >= 0, got (1, 1)",
         ),
     ],
 )
@@ -496,10 +498,10 @@ def test_config_checks_against_the_policy():
     assert str(info.value) == "hidden_size (30) must be divisible by num_heads (4) into an even head size"
     with pytest.raises(ConfigError) as info:
         build_dflash_runtime(DFlashConfig(aux_layers=(0, 2)), SMALL)
-    assert str(info.value) == "aux_layers names layer 2 but the policy has 2 layers"
+    assert str(info.value) == "aux_layers (0, 2) must name decoder layers of the policy, [0, 2)"
     with pytest.raises(ConfigError) as info:
         build_dflash_runtime(DFlashConfig(draft_vocab_size=5), TINY, d2t=D2T)
-    assert str(info.value) == "draft_vocab_size (5) != 7, the size of the d2t map"
+    assert str(info.value) == "draft_vocab_size (5) must equal the size of the d2t map (7)"
     assert DFlashConfig(aux_layers=[0, 1]).aux_layers == (0, 1)  # a Hydra list
     runtime = build_dflash_runtime(DFlashConfig(draft_vocab_size=7, hidden_size=8, num_heads=2), TINY, d2t=D2T)
     assert runtime.drafter.draft_vocab_size == 7 and runtime.drafter.aux_layers == (0, 1)
@@ -510,7 +512,7 @@ def test_batch_shapes_are_checked():
     runtime, batch = _tiny_case()
     with pytest.raises(ValueError) as info:
         runtime.draft_loss(dataclasses.replace(batch, hidden_states=batch.hidden_states[..., :8]))
-    assert str(info.value) == "DraftBatch.hidden_states must have shape (2, 12, 16) for this drafter, got (2, 12, 8)"
+    assert str(info.value) == "DraftBatch.hidden_states must have shape (2, 12, 16), got (2, 12, 8)"
     with pytest.raises(ValueError) as info:
         runtime.draft_loss(batch, n_slots=0)
     assert str(info.value) == "n_slots must be an int >= 1, got 0"

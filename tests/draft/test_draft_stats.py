@@ -176,6 +176,7 @@ def _projected_tp(rank: int, world: int, same_mask: bool):
     return loss.detach(), torch.autograd.grad(loss, (h, w))
 
 
+@pytest.mark.slow
 def test_projected_soft_ce_over_tensor_parallel_vocabulary_shards_equals_the_full_vocabulary():
     h, w, teacher, mask, bin_ids, weights = _case(rows=9, vocab=12)
     h, w = h.float().requires_grad_(), w.float().requires_grad_()
@@ -204,6 +205,7 @@ def test_projected_soft_ce_over_tensor_parallel_vocabulary_shards_equals_the_ful
     torch.testing.assert_close(results[0][1][0] + results[1][1][0], grad_h)  # the shares sum to the gradient
 
 
+@pytest.mark.slow
 def test_ranks_with_different_masks_raise_the_same_error():
     errors = run_on_ranks(_projected_tp, False, timeout=90)
     assert errors[0] == errors[1]

@@ -16,9 +16,9 @@ import torch
 from common import message
 from expecttest import TestCase
 
+from compiled_loss.app.batches import sample_batch
 from compiled_loss.checks import ConfigError
 from compiled_loss.config import DataConfig, ModelConfig
-from compiled_loss.demo.data import sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.draft import DraftBatch, aux_hidden_states
 from compiled_loss.draft.eagle3 import (
@@ -339,6 +339,7 @@ def test_packed_row_equals_unpacked_rows():
 # compile: one graph, one compile, no host sync over many batches of one shape
 
 
+@pytest.mark.slow
 def test_compiles_once_without_problems_over_batches_of_one_shape():
     runtime = _runtime(vocab=11, d2t=torch.tensor([0, 1, 3, 3, 4, 5]), steps=3, hidden=16, heads=4)
     recorder = CompileRecorder("aot_eager")
@@ -374,6 +375,7 @@ def test_compiles_once_without_problems_over_batches_of_one_shape():
 # training: the drafter learns a frozen policy
 
 
+@pytest.mark.slow
 def test_training_against_a_frozen_policy_lowers_the_loss_and_raises_agreement():
     torch.manual_seed(0)
     model_cfg = ModelConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, max_positions=128)
@@ -446,8 +448,8 @@ decay=1.5: ConfigError: ttt_step_loss_decay must be in (0, 1], got 1.5
 loss_weight=-1: ConfigError: loss_weight must be >= 0, got -1.0
 loss_weight=nan: ConfigError: loss_weight must be finite, got nan
 token_chunk_size=0: ConfigError: token_chunk_size must be >= 1, got 0
-aux_layers=(): ConfigError: aux_layers must be None or a non-empty tuple of ints >= 0, got ()
-heads: ConfigError: hidden_size (10) must be divisible by num_heads (4)""",
+aux_layers=(): ConfigError: aux_layers must be None or a non-empty tuple of distinct layer indices >= 0, got ()
+heads: ConfigError: hidden_size (10) must be divisible by num_heads (4) into an even head size""",
         )
         assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, AssertionError)
         assert Eagle3Config(aux_layers=[2, 0]).aux_layers == (2, 0)  # a Hydra list

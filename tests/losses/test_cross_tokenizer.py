@@ -267,6 +267,7 @@ _CALL = CompileRecorder("aot_eager")
 _COMPILED = _CALL.compile(lambda w, *a: w(*a), fullgraph=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper_cls", [SequencePackingLossWrapper, SequencePackingFusionLossWrapper])
 def test_packed_with_bucket_padding_equals_unpacked_and_compiles_once(wrapper_cls):
     """Teacher 0 is aligned to positions 2t + 1, past the student's lengths: its logits must
@@ -456,9 +457,9 @@ def test_align_tokenizations():
 
 def test_the_demo_digit_teacher():
     from compiled_loss.app import compose_config
+    from compiled_loss.app.batches import annotate_cross_tokenizer, sample_batch
     from compiled_loss.config import loss_family
     from compiled_loss.demo import cross_tokenizer as demo
-    from compiled_loss.demo.data import sample_batch
 
     ids = torch.tensor([[1, 3 + 7, 3 + 42, 2, 0]])  # BOS 7 42 EOS PAD
     teacher_ids, alignment = demo.tokenize(ids, torch.tensor([4]), compose_config())
@@ -490,7 +491,7 @@ def test_the_demo_digit_teacher():
     ]
     torch.manual_seed(0)
     batch = sample_batch(cfg.data, cfg.model.vocab_size, random.Random(0))
-    data = demo.annotate(batch, loss_fn, demo.teacher_models(cfg), cfg)
+    data = annotate_cross_tokenizer(batch, loss_fn, demo.teacher_models(cfg), cfg)
     lengths = data.pop("input_lengths").tolist()
     assert data["teacher_0_logits"].shape[1:] == (demo.teacher_width(cfg), demo.TEACHER_VOCAB_SIZE)
     logits = torch.randn(*data["input_ids"].shape, cfg.model.vocab_size, requires_grad=True)

@@ -174,6 +174,7 @@ _CALL = CompileRecorder("aot_eager")
 _COMPILED = _CALL.compile(lambda w, *a: w(*a), fullgraph=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper_cls", [SequencePackingLossWrapper, SequencePackingFusionLossWrapper])
 def test_packed_with_bucket_padding_equals_unpacked_and_compiles_once(wrapper_cls):
     lp, data = _batch(seed=2)

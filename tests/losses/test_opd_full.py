@@ -238,6 +238,7 @@ def _short_payload_under_context_parallelism(rank: int, world: int):
     return prepare_loss_input(logits, data, ClippedPGLossFn(OPD, opd_full={}), context_parallel_group=dist.group.WORLD)
 
 
+@pytest.mark.slow
 def test_a_payload_short_of_the_batch_is_refused_under_context_parallelism():
     """Every rank, before any collective: the payload must cover the batch's S positions (not
     only the S_local · cp the ranks hold)."""

@@ -157,7 +157,7 @@ MINIMAL_CASES = ["grpo", "gspo_tis", "cispo_icepop", "seq_filter", "dual_clip_va
 
 
 @pytest.mark.parametrize("name", MINIMAL_CASES)
-@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_minimal_metrics_level(name, mode):
     case = next(c for c in CASES if c.name == name)
     full = case.make_loss()

@@ -24,6 +24,8 @@ from compiled_loss.wrapper import (
     wrap_loss_fn_with_input_preparation,
 )
 
+pytestmark = pytest.mark.slow  # compiles every loss and wrapper
+
 GRID = BucketGrid(tokens=64, rows=4, width=16)
 
 

@@ -2,7 +2,7 @@
 `torchrun --nproc-per-node=TP·CP·DP` (or alone for the single process).
 
 For every case (a loss × head of `CASES`, or those named) it builds the runner's run
-(`compiled_loss.demo.loop.build_run`: the seeded models, the loss, the compiled step — eager
+(`compiled_loss.app.loop.build_run`: the seeded models, the loss, the compiled step — eager
 here — and the rollouts) at these parallel sizes, takes the batch of the loss's first step
 and runs the step. Rank 0 saves, per case, the step's metrics and every policy parameter's
 gradient after the step (DDP's averaged gradient: the same on every rank), or the error.
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' shared helpers
 from common import SMALL_RUN  # noqa: E402
 
 from compiled_loss.app import load_config
-from compiled_loss.demo.loop import build_run
+from compiled_loss.app.loop import build_run
 from compiled_loss.train.parallel import init_parallel
 
 # small enough that a case takes about a second on one core

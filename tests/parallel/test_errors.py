@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_on_ranks
@@ -163,6 +164,7 @@ def _two_ranks() -> tuple[list, float]:
     return run_on_ranks(_both, timeout=60), time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_every_rank_raises_the_same_clear_error_within_seconds():
     (rank0, rank1), seconds = _two_ranks()
     assert seconds < 30
@@ -224,6 +226,7 @@ def test_disagreeing_inputs_raise_the_same_clear_error_on_every_rank_within_seco
     ]
 
 
+@pytest.mark.slow
 def test_a_tensor_by_context_parallel_grid_raises_the_same_error_on_all_four_ranks():
     """One rank of a tp = cp = 2 grid disagrees: the check gathers over its tensor-parallel
     group, then passes that over its context-parallel group, so every rank — rank 0 too, which

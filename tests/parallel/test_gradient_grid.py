@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # torchrun: every loss at four parallel sizes
+
 WORKER = Path(__file__).with_name("grid_worker.py")
 SIZES = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
 REL, ABS = 1e-4, 1e-6

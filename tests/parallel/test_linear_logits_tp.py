@@ -47,6 +47,8 @@ from compiled_loss.interfaces import LossInputType
 from compiled_loss.vocab import LinearLogits
 from compiled_loss.wrapper import SequencePackingFusionLossWrapper, wrap_loss_fn_with_input_preparation
 
+pytestmark = pytest.mark.slow  # spawns process groups (one spawn per world size)
+
 HIDDEN = 8
 LOSSES = ["grpo", "grpo_topk_topp", "distill_mixed_zero_outside", "distill_reverse"]
 LENGTHS, PADS, WIDTH = [6, 3, 8, 2], [2, 1, 0, 2], 8  # padded lengths 8, 4, 8, 4: multiples of 2·cp

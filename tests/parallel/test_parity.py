@@ -27,6 +27,8 @@ from compiled_loss.wrapper import (
     wrap_loss_fn_with_input_preparation,
 )
 
+pytestmark = pytest.mark.slow  # torchrun: several processes per test
+
 LOSSES = [
     "grpo",
     "grpo_topk_topp",

@@ -3,11 +3,14 @@ gets its load-balanced share of the positions, for both payload kinds."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_on_ranks
 
 from compiled_loss.utils import reconstruct_opd_full_teacher_logits
+
+pytestmark = pytest.mark.slow  # spawns process groups
 
 
 def _payloads():

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from reliability.oracle import hyp
 
 from compiled_loss.app import compose_config
+from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
+from compiled_loss.app.loop import build_run, train
 from compiled_loss.config import DRAFT_KINDS, LOSS_KINDS, PackingMode
-from compiled_loss.demo.checkpoint import load_checkpoint, save_checkpoint
-from compiled_loss.demo.loop import build_run, train
 from compiled_loss.train.parallel import init_parallel
 
 SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=1", "run.steps=2", "run.save_every=2"]

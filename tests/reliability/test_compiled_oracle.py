@@ -24,6 +24,8 @@ from compiled_loss.loss_functions import ClippedPGLossFn
 from compiled_loss.loss_input import TrainingSamplingParams
 from compiled_loss.packing import BucketGrid
 
+pytestmark = pytest.mark.slow  # compiled wrappers on random cases
+
 GRID = BucketGrid(tokens=32, rows=4, width=8)
 AOT_EAGER = torch._dynamo.lookup_backend("aot_eager")
 COMPILES = {"graphs": 0}

@@ -14,8 +14,8 @@ import pytest
 from common import SMALL_RUN
 
 from compiled_loss.app import compose_config
+from compiled_loss.app.loop import train
 from compiled_loss.checks import ConfigError
-from compiled_loss.demo.loop import train
 from compiled_loss.draft.dflash import DFlashConfig
 from compiled_loss.draft.eagle3 import Eagle3Config
 

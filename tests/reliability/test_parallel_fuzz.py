@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given
@@ -34,6 +35,8 @@ from reliability.oracle import (
 )
 
 from compiled_loss.wrapper import wrap_loss_fn_with_input_preparation
+
+pytestmark = pytest.mark.slow  # process groups on random cases
 
 EXAMPLES = {"pg": 10, "nll": 4, "dpo": 4, "distill": 4, "mse": 4}
 CONFIGS = [(2, 1), (1, 2), (2, 2)]  # (tp, cp) on 4 ranks: rank = cp_rank · tp + tp_rank (+ 2 per replica)

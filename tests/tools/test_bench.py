@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs the benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = [
     "tokens",

@@ -3,11 +3,15 @@ with no host sync, because the loss configs' floats stay constants."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
+import pytest
 import torch
 from cases import CASE_BY_NAME, assert_metrics_close, boundaries, globals_for, make_batch, pack_logits
 
+import compiled_loss.compile
+import compiled_loss.train
 from compiled_loss.packing import BucketGrid
 from compiled_loss.train import CompileRecorder, compile_loss
 from compiled_loss.wrapper import SequencePackingFusionLossWrapper
@@ -48,6 +52,7 @@ def _compiled_over_buckets(fn, recorder):
     return recorder.report
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_one_graph_no_sync():
     torch._dynamo.reset()
     recorder = CompileRecorder("aot_eager")
@@ -55,8 +60,17 @@ def test_dynamic_shapes_one_graph_no_sync():
     assert (report.compiles, report.problems()) == (1, [])
 
 
+@pytest.mark.slow
 def test_without_it_the_config_floats_become_graph_inputs_read_back_on_the_host():
     torch._dynamo.reset()
     recorder = CompileRecorder("aot_eager")
     report = _compiled_over_buckets(recorder.compile(_call, fullgraph=True, dynamic=True), recorder)
     assert any("host sync" in p for p in report.problems())
+
+
+def test_one_definition_under_both_import_paths():
+    """`compiled_loss.compile` (layer 0, which the losses import) defines `compile_loss` and
+    `CompiledModule`; `compiled_loss.train` re-exports those objects, with no module of its own."""
+    assert compiled_loss.train.compile_loss is compiled_loss.compile.compile_loss is compile_loss
+    assert compiled_loss.train.CompiledModule is compiled_loss.compile.CompiledModule
+    assert importlib.util.find_spec("compiled_loss.train.compile") is None

@@ -16,11 +16,13 @@ import torch
 from hydra import compose, initialize_config_module
 
 from compiled_loss.app import load_config
+from compiled_loss.app.batches import sample_batch
 from compiled_loss.config import build_draft_runtime
-from compiled_loss.demo.data import sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.draft import DraftRuntimeBase
 from compiled_loss.train import build_train_step
+
+pytestmark = pytest.mark.slow  # compiled drafter steps over many micro-batches
 
 SMALL = [
     "model.vocab_size=96",

@@ -14,9 +14,9 @@ import torch
 from hydra import compose, initialize_config_module
 
 from compiled_loss.app import load_config
+from compiled_loss.app.batches import rollout, sample_batch
+from compiled_loss.app.loop import train
 from compiled_loss.config import loss_family
-from compiled_loss.demo.data import rollout, sample_batch
-from compiled_loss.demo.loop import train
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.train import build_train_step
 
@@ -53,6 +53,7 @@ def fresh_dynamo():
     yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("loss", LOSSES)
 def test_three_steps_every_loss_and_packing(loss, packing, tmp_path):
@@ -107,6 +108,7 @@ def test_the_fused_lm_head_equals_the_logits_path(loss, packing):
         torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_fused_lm_head_compiles_once_per_bucket(tmp_path):
     """Traced with the model as one graph per bucket, no graph break, no recompile."""
     cfg = config(
@@ -116,6 +118,7 @@ def test_the_fused_lm_head_compiles_once_per_bucket(tmp_path):
     assert summary["compile_problems"] == [] and 1 <= summary["compiles"] <= summary["buckets"]
 
 
+@pytest.mark.slow
 def test_nll_learns_the_task(tmp_path):
     """50 steps of NLL on the synthetic task: a clear, asserted drop of the loss."""
     train(
@@ -135,6 +138,7 @@ def test_nll_learns_the_task(tmp_path):
     assert last < 0.4 * first, (first, last)
 
 
+@pytest.mark.slow
 def test_steady_state_never_recompiles_a_warm_bucket(tmp_path):
     cfg = config("run.steps=40", "compile.backend=aot_eager", "packing.per_octave=1")
     summary = train(cfg, tmp_path)
@@ -144,6 +148,7 @@ def test_steady_state_never_recompiles_a_warm_bucket(tmp_path):
     assert compiles[-10:] == [compiles[-1]] * 10  # the last ten steps hit warm buckets only
 
 
+@pytest.mark.slow
 def test_multirun_sweep(tmp_path):
     """`-m` sweeps run every combination and write a summary per job."""
     subprocess.run(
@@ -172,6 +177,7 @@ def test_multirun_sweep(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_bad_override_fails_before_a_model_is_built(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "compiled_loss.run", "loss=mse_value", "logprob.top_p=0.9", f"hydra.run.dir={tmp_path}"],
@@ -184,6 +190,7 @@ def test_bad_override_fails_before_a_model_is_built(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_hold_to_one_compile(tmp_path):
     summary = train(config("run.steps=8", "compile.backend=eager", "compile.dynamic=true"), tmp_path)
     assert (summary["compiles"], summary["compile_problems"]) == (1, [])

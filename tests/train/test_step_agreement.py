@@ -16,10 +16,12 @@ from hydra import compose, initialize_config_module
 from ranks import run_on_ranks
 
 from compiled_loss.app import load_config
-from compiled_loss.demo.data import sample_batch
+from compiled_loss.app.batches import sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.train import build_train_step
 from compiled_loss.train.parallel import ParallelGroups
+
+pytestmark = pytest.mark.slow  # spawns process groups
 
 SMALL = [*SMALL_RUN, "run.micro_batches=2", "loss=nll", "compile.enabled=false"]
 

@@ -245,6 +245,7 @@ def test_where_the_logits_themselves_are_needed_it_says_so():
         vocab_reduce(LinearLogits(h[0], w), threshold=torch.zeros(4))
 
 
+@pytest.mark.slow
 def test_one_graph_when_compiled_and_when_passed_into_a_compiled_loss():
     """Built inside the compiled region or handed to it (DDP keeps the model outside):
     fullgraph tracing, no graph break, values equal to eager."""

@@ -67,6 +67,7 @@ def rank_results():
     return run_on_ranks(_on_ranks)
 
 
+@pytest.mark.slow
 def test_thresholds_top_k_and_draft_map_over_shards(rank_results):
     logits, teacher, *_ = _inputs()
     want_thresholds = sampling_threshold(logits, 4, 0.8)

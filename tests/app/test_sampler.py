@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from compiled_loss.app import compose_config
-from compiled_loss.demo.data import EOS, PAD, model_logprobs, response_width, sampled_batch, score, task_prompts
+from compiled_loss.app.batches import model_logprobs
+from compiled_loss.app.sampler import Sampler, _pick, sampling_uniforms
+from compiled_loss.demo.data import EOS, PAD, response_width, sampled_batch, score, task_prompts
 from compiled_loss.demo.model import TinyLM
-from compiled_loss.demo.sampler import Sampler, _pick, sampling_uniforms
 
 SMALL = [
     "model.vocab_size=96",
@@ -53,7 +54,7 @@ def _sampled(*overrides: str, steps: int = 1):
     [(), ("logprob.temperature=0.7", "logprob.top_k=20", "logprob.top_p=0.9")],
     ids=["plain", "temperature-topk-topp"],
 )
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_the_samplers_logprobs_are_the_policys(sampling, backend):
     compile_ = ["compile.enabled=false"] if backend == "eager" else [f"compile.backend={backend}"]
     cfg, model, _, prompts, samples = _sampled(*compile_, *sampling)

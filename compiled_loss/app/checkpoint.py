@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from compiled_loss.demo.loop import Run
+    from compiled_loss.app.loop import Run
 
 # Keys a resume may change (a key, or a group ending in "."): how the same steps are laid
 # out, compiled, logged and saved. Logging and saving keys resume bitwise; a changed layout

@@ -4,7 +4,7 @@ training step, with a progress line per step and `metrics.jsonl` / `summary.json
 A run has two phases. The warm start: `run.sft_steps` steps of NLL on correct responses
 through the same compiled step built for `loss=nll` (none for `loss=mse_value`: a value
 head has no LM head). Then `run.steps` steps of the run's loss on on-policy rollouts
-(`compiled_loss.demo.rollouts`), with the warm-start weights as the KL reference. Each
+(`compiled_loss.app.rollouts`), with the warm-start weights as the KL reference. Each
 step: the batch (sampled by the policy, annotated), one optimizer step, a metrics record.
 """
 
@@ -22,13 +22,16 @@ from typing import Any
 
 import torch
 
+from compiled_loss.app.batches import annotate_cross_tokenizer
+from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
+from compiled_loss.app.curves import WARM_START
+from compiled_loss.app.rollouts import Rollouts
 from compiled_loss.config import Config, build_draft_runtime, loss_family
 from compiled_loss.config.losses import NllLossOption
 from compiled_loss.demo import cross_tokenizer
-from compiled_loss.demo.checkpoint import load_checkpoint, save_checkpoint
-from compiled_loss.demo.curves import WARM_START
 from compiled_loss.demo.model import TinyLM
-from compiled_loss.demo.rollouts import Rollouts
+from compiled_loss.draft import DraftRuntimeBase
+from compiled_loss.interfaces import LossFunction
 from compiled_loss.losses import update_reward_shift
 from compiled_loss.train import build_train_step
 from compiled_loss.train.parallel import ParallelGroups, init_parallel
@@ -129,8 +132,8 @@ class Run:
     family: str
     policy: TinyLM
     reference: TinyLM
-    drafter: Any
-    loss_fn: Any
+    drafter: DraftRuntimeBase | None
+    loss_fn: LossFunction
     teachers: list[TinyLM] | None  # cross-tokenizer distillation's teachers
     optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer]  # the warm start's, the loss's
     warm: TrainStep
@@ -145,43 +148,70 @@ class Run:
             return self.rollouts.warm_start(i)
         batch, stats = self.rollouts(i)
         if self.teachers is not None:
-            batch = cross_tokenizer.annotate(batch, self.loss_fn, self.teachers, self.cfg)
+            batch = annotate_cross_tokenizer(batch, self.loss_fn, self.teachers, self.cfg)
         if reward_shift is not None:
             batch["reward_shift"] = torch.full((batch["input_ids"].shape[0],), reward_shift)
         return batch, stats
 
 
+@dataclasses.dataclass
+class Models:
+    """A run's models (`build_models`): the policy, its frozen copy (the KL reference), the
+    frozen teacher of `distillation` / `opd_full`, cross-tokenizer distillation's digit
+    teachers and the co-trained drafter (None where the run has none)."""
+
+    policy: TinyLM
+    reference: TinyLM
+    teacher: TinyLM | None
+    teachers: list[TinyLM] | None
+    drafter: DraftRuntimeBase | None
+
+    def trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizers step: the policy's and the drafter's that take gradients."""
+        return [p for m in (self.policy, self.drafter) if m is not None for p in m.parameters() if p.requires_grad]
+
+
+def build_models(cfg: Config, groups: ParallelGroups) -> Models:
+    """The models of a run (`build_run`) or an audited step (`compiled-loss-audit`),
+    initialised from torch's current seed: the policy (a value head for the value loss; the
+    LM head returns this tensor-parallel rank's vocabulary shard), the reference, the
+    teachers the loss family reads and the drafter (its denominators summed over the
+    data-parallel group)."""
+    family = loss_family(cfg.loss)
+    policy = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, groups.sizes[0]))
+    reference = copy.deepcopy(policy).requires_grad_(False).eval()
+    teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family in ("distillation", "opd_full") else None
+    teachers = cross_tokenizer.teacher_models(cfg) if family == "cross_tokenizer" else None
+    drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
+    return Models(policy=policy, reference=reference, teacher=teacher, teachers=teachers, drafter=drafter)
+
+
 def build_run(cfg: Config, groups: ParallelGroups) -> Run:
     """The run's models (seeded by `run.seed`), loss, optimizers, steps and rollouts."""
-    tp = groups.sizes[0]
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
     family = loss_family(cfg.loss)
-    policy = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, tp))
-    reference = copy.deepcopy(policy).requires_grad_(False).eval()
-    teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family in ("distillation", "opd_full") else None
-    loss_fn = teachers = None  # cross-tokenizer distillation: its projections and teachers come from the demo task
-    if family == "cross_tokenizer":
-        loss_fn, teachers = cross_tokenizer.build_cross_tokenizer_loss(cfg), cross_tokenizer.teacher_models(cfg)
-    drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
-    trained = [p for m in (policy, drafter) if m is not None for p in m.parameters() if p.requires_grad]
+    models = build_models(cfg, groups)
+    policy, drafter = models.policy, models.drafter
+    # cross-tokenizer distillation: its projections come from the demo task
+    loss_fn = cross_tokenizer.build_cross_tokenizer_loss(cfg) if family == "cross_tokenizer" else None
     o = cfg.optim
     warm_optimizer, optimizer = (
-        torch.optim.AdamW(trained, lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        torch.optim.AdamW(models.trained(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         for lr in (o.sft_lr, o.lr)
     )
     step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
     warm = build_train_step(dataclasses.replace(cfg, loss=NllLossOption()), policy, warm_optimizer, groups, drafter)
-    rollouts = Rollouts(cfg, family, groups, rng, policy=policy, reference=reference, teacher=teacher)
+    rollouts = Rollouts(cfg, family, groups, rng, policy=policy, reference=models.reference, teacher=models.teacher)
     return Run(
         cfg=cfg,
         groups=groups,
         family=family,
         policy=policy,
-        reference=reference,
+        reference=models.reference,
         drafter=drafter,
         loss_fn=step.loss_fn,
-        teachers=teachers,
+        teachers=models.teachers,
         optimizers=(warm_optimizer, optimizer),
         warm=warm,
         step=step,

@@ -32,22 +32,18 @@ import time
 
 import torch
 
-from compiled_loss.config import Config, Family
-from compiled_loss.demo.data import (
-    Prompts,
-    correct_batch,
+from compiled_loss.app.batches import (
     grpo_advantages,
     model_logprobs,
     preference_pairs,
     replica_rows,
     rollout,
     sample_batch,
-    sampled_batch,
-    score,
-    task_prompts,
 )
+from compiled_loss.app.sampler import Sampler, Samples, sampling_uniforms
+from compiled_loss.config import Config, Family
+from compiled_loss.demo.data import Prompts, correct_batch, sampled_batch, score, task_prompts
 from compiled_loss.demo.model import TinyLM
-from compiled_loss.demo.sampler import Sampler, Samples, sampling_uniforms
 from compiled_loss.train.parallel import ParallelGroups, all_reduce_host
 
 Tensor = torch.Tensor
