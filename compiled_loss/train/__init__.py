@@ -1,7 +1,7 @@
 """The train room: the compiled training step users import, `compile_loss`, and the
 compile recorder the step and the audit report with.
 
-- `step`: `build_train_step`, `TrainStep`, `StepResult`;
+- `step`: `build_train_step`, `TrainStep`, `StepOptions`, `StepResult`;
 - `compile_loss`, `CompiledModule` (defined in `compiled_loss.compile`);
 - `recorder`: `CompileRecorder` (graphs, graph breaks, in-graph host syncs, recompiles,
   frames that fell back to eager).
@@ -9,12 +9,13 @@ compile recorder the step and the audit report with.
 
 from compiled_loss.compile import CompiledModule, compile_loss
 from compiled_loss.train.recorder import CompileRecorder, CompileReport
-from compiled_loss.train.step import StepResult, TrainStep, build_train_step
+from compiled_loss.train.step import StepOptions, StepResult, TrainStep, build_train_step
 
 __all__ = [
     "CompileRecorder",
     "CompileReport",
     "CompiledModule",
+    "StepOptions",
     "StepResult",
     "TrainStep",
     "build_train_step",

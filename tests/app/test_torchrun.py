@@ -34,7 +34,9 @@ COMPARED = (
 
 def _run(out, *overrides, procs=1):
     launcher = (
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}"] if procs > 1 else [sys.executable]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+        if procs > 1
+        else [sys.executable]
     )
     start = time.monotonic()
     proc = subprocess.run(

@@ -107,6 +107,7 @@ def test_distributed_mode_reports_every_rank(tmp_path):
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",  # a free rendezvous port (parallel test workers)
             "--nproc-per-node=2",
             "-m",
             "compiled_loss.audit.cli",
