@@ -45,14 +45,12 @@ WRAPPERS = ["unpacked", "per_sequence", "fused", "draft_packed", "draft_unpacked
 LENGTHS, PADS, WIDTH = [6, 3, 8, 2], [2, 1, 0, 2], 8  # padded lengths 8, 4, 8, 4: multiples of 2·cp
 D2T = torch.tensor([0, 1, 1, 3, 5, 5, 6, 8])  # an 8-id draft vocabulary
 TOL = dict(rtol=1e-5, atol=1e-6)
-# compiled (aot_eager, fullgraph) at (tp, cp) = (2, 2): every wrapper with top-k/top-p GRPO, plus one case
-# of each other input type; every case runs eagerly at every (tp, cp)
+# compiled (aot_eager, fullgraph) at (tp, cp) = (2, 2): one case of each pattern of collectives — every
+# wrapper with top-k/top-p GRPO (log-probs, thresholds, draft vocab), top-k distillation (vocab_topk over
+# the shards), OPD_FULL from teacher logits and from teacher hidden states; NLL, DPO and the value loss
+# read the log-prob / logit inputs GRPO's cases compile. Every case runs eagerly at every (tp, cp).
 COMPILED = {("grpo_topk_topp", w) for w in WRAPPERS} | {
     ("distill_mixed_zero_outside", "fused"),
-    ("distill_reverse", "per_sequence"),
-    ("mse_value_clipped", "unpacked"),
-    ("dpo_sft", "fused"),
-    ("nll", "per_sequence"),
     ("opd_full_logits", "fused"),
     ("opd_full_hidden_seq_level", "per_sequence"),
 }
