@@ -2,7 +2,8 @@
 
 import sys
 
+from compiled_loss.app.cli import run
 from compiled_loss.app.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main, sys.argv[1:]))

@@ -19,6 +19,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from compiled_loss.app.cli import fail
 from compiled_loss.app.curves import plot_runs, read_metrics
 from compiled_loss.app.loop import train
 from compiled_loss.app.store import load_config
@@ -26,7 +27,10 @@ from compiled_loss.app.store import load_config
 
 @hydra.main(version_base="1.3", config_path="pkg://compiled_loss.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    config = load_config(cfg)  # every config error surfaces here, before a model is built
+    try:
+        config = load_config(cfg)  # every config error surfaces here, before a model is built
+    except ValueError as e:  # ConfigError included: one line, exit status 2
+        fail(e)
     # The jobs of a sweep share this process: without a reset, each job's compiled variants of the
     # same functions add up until Dynamo's recompile limit, a hard failure under fullgraph=True.
     torch._dynamo.reset()

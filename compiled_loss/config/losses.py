@@ -95,7 +95,7 @@ class _ClippedPgChoices(ClippedPGLossConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClippedPgLossOption(_ClippedPgChoices, Option):
-    """`loss=clipped_pg` (and `gspo`, `cispo`, `reinforce`): `ClippedPGLossFn`; every field of
+    """`loss=clipped_pg` (and `grpo`, `dapo`, `gspo`, `cispo`, `reinforce`): `ClippedPGLossFn`; every field of
     `ClippedPGLossConfig` is a key."""
 
     name: str = "clipped_pg"

@@ -27,7 +27,7 @@ class Option:
 
     name: str = ""
     """The option's name: its YAML under `conf/<group>/`; options that only change defaults share a class
-    (`gspo`, `cispo` and `reinforce` are `ClippedPgLossOption`s)."""
+    (`grpo`, `dapo`, `gspo`, `cispo` and `reinforce` are `ClippedPgLossOption`s)."""
 
 
 @contextlib.contextmanager

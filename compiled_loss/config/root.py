@@ -6,8 +6,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from compiled_loss.checks import FLOAT32, require
-from compiled_loss.config.drafts import NoneDraftOption, check_draft
+from compiled_loss.checks import FLOAT32, ConfigError, require
+from compiled_loss.config.drafts import DRAFT_KINDS, NoneDraftOption, check_draft
 from compiled_loss.config.groups import (
     CompileConfig,
     DataConfig,
@@ -19,7 +19,7 @@ from compiled_loss.config.groups import (
     ParallelConfig,
     RunConfig,
 )
-from compiled_loss.config.losses import ClippedPgLossOption, MpoLossOption, build_loss, loss_family
+from compiled_loss.config.losses import LOSS_KINDS, ClippedPgLossOption, MpoLossOption, build_loss, loss_family
 from compiled_loss.interfaces import LossFunction, LossInputType
 from compiled_loss.packing import round_to_bucket
 
@@ -59,6 +59,14 @@ class Config:
 
     def __post_init__(self) -> None:
         """Cross-group checks; each group checked its own fields when it was built."""
+        for group, kinds in (("loss", LOSS_KINDS), ("draft", DRAFT_KINDS)):
+            value = getattr(self, group)
+            if value is not None and not isinstance(value, tuple(kinds)):
+                classes = ", ".join(f"{cls.__name__} ({cls().name})" for cls in kinds)
+                raise ConfigError(
+                    f"Config({group}={value!r}): {group} takes an option object, one of {classes}; "
+                    f"by name, compose it: compiled_loss.app.compose_config('{group}=<name>')"
+                )
         if self.loss is None:
             self.loss = ClippedPgLossOption()
         if self.draft is None:

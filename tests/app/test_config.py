@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
+import compiled_loss
 from compiled_loss.app import load_config
 from compiled_loss.app.store import GROUP_SCHEMAS, check_run
 from compiled_loss.checks import ConfigError
@@ -208,7 +209,8 @@ class TestStartupErrors(TestCase):
 
 @pytest.mark.slow
 def test_wheel_ships_the_yaml(tmp_path):
-    """A wheel built from the repo carries conf/ as compiled_loss/conf (runs from any dir)."""
+    """A wheel built from the repo carries conf/ as compiled_loss/conf (runs from any dir),
+    `py.typed`, the LICENSE and the version `compiled_loss.__version__` states."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), "."],
         check=True,
@@ -221,7 +223,11 @@ def test_wheel_ships_the_yaml(tmp_path):
         "compiled_loss/conf/__init__.py",
         "compiled_loss/conf/loss/gspo.yaml",
         "compiled_loss/conf/packing/fused.yaml",
+        "compiled_loss/py.typed",
     } <= names
+    version = compiled_loss.__version__
+    assert f"compiled_loss-{version}.dist-info/METADATA" in names
+    assert any(n.startswith(f"compiled_loss-{version}.dist-info/") and n.endswith("LICENSE") for n in names), names
 
 
 @pytest.mark.slow
@@ -231,7 +237,7 @@ def test_help_lists_the_real_options_of_each_group():
     ).stdout
     groups = out.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert (
-        "loss: cispo, clipped_pg, cross_tokenizer, distillation, dpo, gspo, mpo, mse_value, nll, opd_full, reinforce"
+        "loss: cispo, clipped_pg, cross_tokenizer, dapo, distillation, dpo, grpo, gspo, mpo, mse_value, nll, opd_full, reinforce"
         in groups
     )
     assert "packing: fused, none, per_sequence" in groups
