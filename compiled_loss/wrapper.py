@@ -94,6 +94,23 @@ def _preparation(
 _OPTIONS = {"sampling_params", "chunk_size", "d2t", "teacher_output_layer_weight_by_index"}
 
 
+def _agreed_layout(wrapper: Any) -> tuple[CpuIntTuple, CpuIntTuple, PackedLayout]:
+    """A packed wrapper's checked boundaries and its layout, built on the host once every TP /
+    CP rank has been seen to hold the same packing (`check_agreement`: the same clear error
+    on every rank instead of a collective that hangs)."""
+    cu, cup = check_cu_seqlens(wrapper.cu_seqlens_q, wrapper.cu_seqlens_q_padded)
+    check_agreement(
+        "the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)",
+        (cu, cup, wrapper.bucket),
+        wrapper.vocab_parallel_group,
+        wrapper.context_parallel_group,
+    )
+    layout = PackedLayout.build(
+        cu, cup, grid=wrapper.bucket, device=wrapper.device, context_parallel_group=wrapper.context_parallel_group
+    )
+    return cu, cup, layout
+
+
 def _check_pairs_fit(loss_fn: LossFunction, spec: InputSpec, layout: PackedLayout, who: str) -> None:
     """Pairwise losses need an even number of REAL rows: bucket padding would otherwise
     pair the last real row with a padding row."""
@@ -124,18 +141,9 @@ class _PackingWrapper:
     _fused: ClassVar[bool]
 
     def __post_init__(self) -> None:
-        cu, cup = check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded)
+        cu, cup, layout = _agreed_layout(self)
         object.__setattr__(self, "cu_seqlens_q", cu)
         object.__setattr__(self, "cu_seqlens_q_padded", cup)
-        check_agreement(
-            "the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)",
-            (cu, cup, self.bucket),
-            self.vocab_parallel_group,
-            self.context_parallel_group,
-        )
-        layout = PackedLayout.build(
-            cu, cup, grid=self.bucket, device=self.device, context_parallel_group=self.context_parallel_group
-        )
         who, spec = type(self).__name__, InputSpec.of(self.loss_fn)
         _check_pairs_fit(self.loss_fn, spec, layout, who)
         parallel = ParallelGroups(tp=self.vocab_parallel_group, cp=self.context_parallel_group)
@@ -238,16 +246,7 @@ class DraftLossWrapper:
             ),
         )
         if packed:
-            cu, cup = check_cu_seqlens(self.cu_seqlens_q, self.cu_seqlens_q_padded)
-            check_agreement(
-                "the packing (cu_seqlens_q, cu_seqlens_q_padded, bucket)",
-                (cu, cup, self.bucket),
-                self.vocab_parallel_group,
-                self.context_parallel_group,
-            )
-            layout = PackedLayout.build(
-                cu, cup, grid=self.bucket, device=self.device, context_parallel_group=self.context_parallel_group
-            )
+            *_, layout = _agreed_layout(self)
             object.__setattr__(self, "layout", layout)
             if self.d2t is not None:
                 object.__setattr__(self, "draft_vocab", DraftVocab.build(self.d2t))

@@ -155,13 +155,9 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def _full_error() -> bool:
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
-
-
 def fail(error: Exception) -> None:
     """Print `error: …` on stderr and exit with status 2 (re-raise under HYDRA_FULL_ERROR=1)."""
-    if _full_error():
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2)
