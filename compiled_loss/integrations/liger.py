@@ -1,0 +1,503 @@
+"""Liger-Kernel's chunked-loss modules with their forward signatures, computed by
+compiled_loss: `FusedLinearGRPOLoss`, `FusedLinearCrossEntropyLoss`, `FusedLinearDPOLoss`,
+`FusedLinearJSDLoss`.
+
+Each takes hidden states and an LM head where Liger does and never forms the `[N, V]`
+logits: the log-probabilities come from `LinearLogits` (`compiled_loss.vocab`: row chunks,
+a recomputing backward), the JSD from row chunks recomputed in the backward. The GRPO and
+NLL objectives are the library's `ClippedPGLossFn` and `NLLLossFn` with the normalisers the
+module computes from its arguments, as TRL's trainers and Liger do. Each module compiles its
+objective once per shape bucket (`compiled=True`, fullgraph): the token dimension is padded
+on the host to `bucket`'s width grid (masked), so a new completion length recompiles only
+when it crosses into a new bucket.
+
+An argument a module cannot honour (a Liger loss type or option not listed in its
+docstring) is refused in the constructor or the call with a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from compiled_loss.compile import compile_loss
+from compiled_loss.losses import ClippedPGLossConfig, ClippedPGLossFn, NLLLossFn, calculate_kl
+from compiled_loss.packing import BucketGrid
+from compiled_loss.packing.layout import round_to_bucket
+from compiled_loss.vocab import LinearLogits, token_logprobs
+
+Tensor = torch.Tensor
+
+DEFAULT_BUCKET = BucketGrid(width=16, per_octave=4)
+"""Token-dimension buckets: multiples of 16, at most 4 per power-of-two octave."""
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+"""TRL's `GRPOConfig.loss_type` values `FusedLinearGRPOLoss` computes."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _shape(who: str, name: str, value: Tensor | None, shape: tuple[int, ...]) -> None:
+    """`value` (when given) has exactly `shape`."""
+    if value is not None and tuple(value.shape) != shape:
+        raise ValueError(f"{who}: {name} must have shape {shape}, got {tuple(value.shape)}")
+
+
+def _pad_width(width: int, *tensors: Tensor | None) -> list[Tensor | None]:
+    """Zero-pad dimension 1 of each tensor to `width`."""
+    out = []
+    for t in tensors:
+        if t is not None and t.shape[1] != width:
+            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+            t = F.pad(t, pad)
+        out.append(t)
+    return out
+
+
+class _Objective:
+    """A module's objective, compiled on first use (`compile_loss`, fullgraph, static shapes)
+    when `compiled`, else eager."""
+
+    def __init__(self, fn: Callable[..., Any], compiled: bool) -> None:
+        self.fn = fn
+        self.run = compile_loss(fn, fullgraph=True, dynamic=False) if compiled else fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+def _token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float, chunk_size):
+    """`log softmax(hidden @ Wᵀ + b) / τ)[ids]`, fp32, shaped like `ids`, from `LinearLogits`."""
+    logits = LinearLogits(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, ids.reshape(-1), chunk_size=chunk_size).view(ids.shape)
+
+
+class FusedLinearGRPOLoss(nn.Module):
+    """Liger's `LigerFusedLinearGRPOLoss`: TRL's GRPO objective from the policy's hidden
+    states and LM head, with `ClippedPGLossFn`'s semantics.
+
+    `forward(_input [B, T, H], lin_weight [V, H], selected_token_ids [B, T], attention_mask
+    [B, T] (the loss mask), advantages [B], bias=None, ref_per_token_logps=None,
+    old_per_token_logps=None, num_items_in_batch=None)` → `(loss, [kl_mean (β ≠ 0),
+    clip_ratio])`, as Liger returns them. `_input[:, t]` is the hidden state that predicts
+    `selected_token_ids[:, t]`. Without `old_per_token_logps` the ratio is 1 (the detached
+    log-probs, on-policy); with `use_ref_model` and β ≠ 0, `ref_per_token_logps` is required.
+
+    `loss_type` sets the normaliser (TRL's): `grpo` the mean over sequences of each
+    sequence's token mean; `bnpo` the batch's valid tokens; `dr_grpo` `B ·
+    max_completion_length`; `dapo` `num_items_in_batch / world size` (default: the valid
+    tokens summed over the default process group). The KL term is TRL's: k3 (`exp(ref - lp) -
+    (ref - lp) - 1`), unclamped, reduced like the policy term; with `use_bias_correction_kl`
+    (TRL's default) weighted by the importance ratio `exp(lp - old)`, whose gradient is the
+    score-function term of `ClippedPGLossFn`'s reference KL (which also clamps). Token-level
+    importance sampling only; `delta`, `vllm_is_ratio`, `ref_input` (pass `ref_per_token_logps`) and
+    Liger's other loss types are refused. `chunk_size` is in token rows (default: the
+    library's, about 16 MiB of fp32 logits per chunk).
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.04,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        chunk_size: int | None = None,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: str = "dapo",
+        max_completion_length: int | None = None,
+        importance_sampling_level: str = "token",
+        temperature: float = 1.0,
+        delta: float | None = None,
+        use_bias_correction_kl: bool = False,
+        bucket: BucketGrid = DEFAULT_BUCKET,
+    ) -> None:
+        super().__init__()
+        who = "FusedLinearGRPOLoss"
+        _require(loss_type in GRPO_LOSS_TYPES, f"{who}: loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+        _require(
+            loss_type != "dr_grpo" or (max_completion_length or 0) > 0,
+            f"{who}: loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}",
+        )
+        _require(
+            importance_sampling_level == "token",
+            f"{who}: importance_sampling_level must be 'token', got {importance_sampling_level!r}",
+        )
+        _require(delta is None, f"{who}: delta (two-sided clipping) is not supported, got {delta!r}")
+        _require(temperature > 0, f"{who}: temperature must be > 0, got {temperature!r}")
+        self.beta, self.loss_type, self.max_completion_length = beta, loss_type, max_completion_length
+        self.use_ref_model, self.temperature, self.chunk_size = use_ref_model, temperature, chunk_size
+        self.epsilon_low, self.epsilon_high, self.bucket = epsilon_low, epsilon_high, bucket
+        self.use_bias_correction_kl = use_bias_correction_kl
+        self.loss_fn = ClippedPGLossFn(
+            ClippedPGLossConfig(
+                ratio_clip_min=epsilon_low,
+                ratio_clip_max=epsilon_high,
+                reference_policy_kl_penalty=0.0,  # the KL term is TRL's: see _grpo
+                token_level_loss=loss_type != "grpo",
+                metrics_level="minimal",
+            )
+        )
+        self._objective = _Objective(self._grpo, compiled)
+
+    def forward(
+        self,
+        _input: Tensor,
+        lin_weight: Tensor,
+        selected_token_ids: Tensor,
+        attention_mask: Tensor,
+        advantages: Tensor,
+        bias: Tensor | None = None,
+        ref_per_token_logps: Tensor | None = None,
+        old_per_token_logps: Tensor | None = None,
+        ref_input: Tensor | None = None,
+        ref_weight: Tensor | None = None,
+        ref_bias: Tensor | None = None,
+        vllm_is_ratio: Tensor | None = None,
+        num_items_in_batch: Tensor | int | None = None,
+    ) -> tuple[Tensor, list[Tensor]]:
+        who = "FusedLinearGRPOLoss"
+        _require(
+            ref_input is None and ref_weight is None and ref_bias is None,
+            f"{who}: ref_input/ref_weight/ref_bias are not supported: pass ref_per_token_logps [B, T]",
+        )
+        _require(vllm_is_ratio is None, f"{who}: vllm_is_ratio (importance-sampling correction) is not supported")
+        _require(
+            ref_per_token_logps is not None or not self.use_ref_model or self.beta == 0,
+            f"{who}: use_ref_model=True with beta={self.beta} needs ref_per_token_logps [B, T]",
+        )
+        if _input.dim() != 3:
+            raise ValueError(f"{who}: _input must be [B, T, H], got {tuple(_input.shape)}")
+        rows, width = _input.shape[:2]
+        for name, value in (("selected_token_ids", selected_token_ids), ("attention_mask", attention_mask)):
+            _shape(who, name, value, (rows, width))
+        _shape(who, "advantages", advantages, (rows,))
+        _shape(who, "old_per_token_logps", old_per_token_logps, (rows, width))
+        _shape(who, "ref_per_token_logps", ref_per_token_logps, (rows, width))
+        mask = attention_mask.float()
+        seqs, toks = self._normalisers(mask, num_items_in_batch)
+        padded = round_to_bucket(width, self.bucket.width, self.bucket.per_octave)
+        hidden, ids, mask, old, ref = _pad_width(
+            padded, _input, selected_token_ids, mask, old_per_token_logps, ref_per_token_logps
+        )
+        if not self.use_ref_model or self.beta == 0:
+            ref = None  # no KL term: the loss reads no reference
+        return self._objective(hidden, lin_weight, bias, ids, mask, advantages.float(), old, ref, seqs, toks)
+
+    def _normalisers(self, mask: Tensor, num_items_in_batch: Tensor | int | None) -> tuple[Tensor, Tensor]:
+        """`(sequences, tokens)` the loss divides by, as 0-d fp32 tensors (no host sync)."""
+        rows = mask.shape[0]
+        seqs = mask.new_tensor(float(rows))
+        if self.loss_type == "dr_grpo":
+            return seqs, mask.new_tensor(float(rows * self.max_completion_length))
+        if self.loss_type == "dapo":
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            if num_items_in_batch is None:
+                total = mask.sum()
+                if world > 1:
+                    torch.distributed.all_reduce(total)
+            else:
+                total = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device)
+            return seqs, (total / world).clamp(min=1.0)
+        return seqs, mask.sum().clamp(min=1.0)
+
+    def _grpo(self, hidden, weight, bias, ids, mask, advantages, old, ref, seqs, toks):
+        lp = _token_logprobs(hidden, weight, bias, ids, self.temperature, self.chunk_size) * mask
+        old = lp.detach() if old is None else old
+        ref = lp.detach() if ref is None else ref
+
+        def shifted(x: Tensor) -> Tensor:  # entry t+1 is the log-prob of token t (NeMo-RL's alignment)
+            return F.pad(x, (1, 0))
+
+        data = {
+            "token_mask": shifted(mask),
+            "sample_mask": torch.ones_like(advantages),
+            "advantages": shifted(advantages[:, None].expand_as(mask)),
+            "prev_logprobs": shifted(old),
+            "generation_logprobs": shifted(old),
+            "reference_policy_logprobs": shifted(ref),
+        }
+        loss, _ = self.loss_fn(next_token_logprobs=lp, data=data, global_valid_seqs=seqs, global_valid_toks=toks)
+        count = mask.sum().clamp(min=1.0)
+        ratio = torch.exp(lp.detach() - old)
+        adv = advantages[:, None]
+        clipped = ((ratio < 1 - self.epsilon_low) & (adv < 0)) | ((ratio > 1 + self.epsilon_high) & (adv > 0))
+        metrics = [(clipped.float() * mask).sum() / count]
+        if self.use_ref_model and self.beta != 0:
+            # TRL's k3 term, unclamped; with use_bias_correction_kl weighted by the ratio exp(lp - old).
+            weight = torch.exp(lp - old) if self.use_bias_correction_kl else None
+            kl = calculate_kl(lp, ref, "k3", None, None, weight) * mask
+            if self.loss_type == "grpo":
+                loss = loss + self.beta * (kl.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / seqs
+            else:
+                loss = loss + self.beta * kl.sum() / toks
+            metrics.insert(0, kl.detach().sum() / count)
+        return loss, metrics
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """Liger's `LigerFusedLinearCrossEntropyLoss`: `forward(lin_weight [V, H], _input [N, H],
+    target [N], bias=None)` → the cross-entropy of `target` under `_input @ lin_weightᵀ +
+    bias`, positions where `target == ignore_index` left out: `reduction="mean"` (over the
+    other positions: `NLLLossFn`), `"sum"` or `"none"` (`[N]`, 0 where ignored).
+    `ce_weight`, `lse_square_scale`, `label_smoothing`, `softcap` and `return_z_loss` keep
+    their neutral defaults (others are refused)."""
+
+    def __init__(
+        self,
+        ce_weight: Tensor | None = None,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: float | None = None,
+        return_z_loss: bool = False,
+        compiled: bool = True,
+        chunk_size: int | None = None,
+        bucket: BucketGrid = DEFAULT_BUCKET,
+    ) -> None:
+        super().__init__()
+        who = "FusedLinearCrossEntropyLoss"
+        _require(
+            reduction in ("mean", "sum", "none"), f"{who}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
+        )
+        for name, value, neutral in (
+            ("ce_weight", ce_weight, None),
+            ("lse_square_scale", lse_square_scale, 0.0),
+            ("label_smoothing", label_smoothing, 0.0),
+            ("softcap", softcap, None),
+            ("return_z_loss", return_z_loss, False),
+        ):
+            _require(value is neutral or value == neutral, f"{who}: {name} is not supported, got {value!r}")
+        self.ignore_index, self.reduction, self.chunk_size, self.bucket = ignore_index, reduction, chunk_size, bucket
+        self.loss_fn = NLLLossFn()
+        self._objective = _Objective(self._cross_entropy, compiled)
+
+    def forward(self, lin_weight: Tensor, _input: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
+        who = "FusedLinearCrossEntropyLoss"
+        if _input.dim() != 2:
+            raise ValueError(f"{who}: _input must be [N, H], got {tuple(_input.shape)}")
+        _shape(who, "target", target, (_input.shape[0],))
+        rows = _input.shape[0]
+        keep = target != self.ignore_index
+        ids = torch.where(keep, target, 0)
+        padded = round_to_bucket(rows, self.bucket.width, self.bucket.per_octave)
+        hidden, ids, mask = _pad_width(padded, _input[None], ids[None], keep[None].float())
+        divisor = mask.sum().clamp(min=1.0) if self.reduction == "mean" else mask.new_ones(())
+        losses = self._objective(hidden, lin_weight, bias, ids, mask, divisor)
+        if self.reduction == "none":
+            return losses[0, :rows]
+        return losses.sum() if self.reduction == "sum" else losses
+
+    def _cross_entropy(self, hidden, weight, bias, ids, mask, divisor):
+        lp = _token_logprobs(hidden, weight, bias, ids, 1.0, self.chunk_size)
+        if self.reduction == "none":
+            return -lp * mask
+        data = {"token_mask": F.pad(mask, (1, 0)), "sample_mask": mask.new_ones(1)}
+        loss, _ = self.loss_fn(lp, data, global_valid_seqs=None, global_valid_toks=divisor)
+        return loss
+
+
+class FusedLinearDPOLoss(nn.Module):
+    """Liger's `LigerFusedLinearDPOLoss` (`loss_type="sigmoid"`): `forward(lin_weight [V, H],
+    _input [2B, T, H], target [2B, T], bias=None, ref_input=None, ref_weight=None,
+    ref_bias=None)`, the first `B` rows chosen and the last `B` rejected, `target ==
+    ignore_index` outside the responses. Returns `(loss, (chosen_logps [B], rejected_logps
+    [B], chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards [B],
+    rejected_rewards [B]))` as Liger does: `loss = -mean log σ(β·((c - c_ref) - (r - r_ref)))
+    + alpha · nll_loss` (the NLL of the chosen rows, with `compute_nll_loss`), each row's
+    log-prob summed over its response (averaged with `average_log_prob`), the reference's
+    from `ref_input` / `ref_weight` (0 without `use_ref_model`). The logit means come from
+    the column sums of the head, never from the logits."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        beta: float = 0.1,
+        alpha: float = 1.0,
+        compute_nll_loss: bool = False,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        average_log_prob: bool = False,
+        chunk_size: int | None = None,
+        loss_type: str = "sigmoid",
+        bucket: BucketGrid = DEFAULT_BUCKET,
+    ) -> None:
+        super().__init__()
+        _require(loss_type == "sigmoid", f"FusedLinearDPOLoss: loss_type must be 'sigmoid', got {loss_type!r}")
+        self.ignore_index, self.beta, self.alpha, self.compute_nll_loss = ignore_index, beta, alpha, compute_nll_loss
+        self.use_ref_model, self.average_log_prob, self.chunk_size = use_ref_model, average_log_prob, chunk_size
+        self.bucket = bucket
+        self._objective = _Objective(self._dpo, compiled)
+
+    def forward(
+        self,
+        lin_weight: Tensor,
+        _input: Tensor,
+        target: Tensor,
+        bias: Tensor | None = None,
+        ref_input: Tensor | None = None,
+        ref_weight: Tensor | None = None,
+        ref_bias: Tensor | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        who = "FusedLinearDPOLoss"
+        if _input.dim() != 3 or _input.shape[0] % 2:
+            raise ValueError(
+                f"{who}: _input must be [2B, T, H] (chosen rows, then rejected), got {tuple(_input.shape)}"
+            )
+        _shape(who, "target", target, tuple(_input.shape[:2]))
+        _require(
+            not self.use_ref_model or (ref_input is not None and ref_weight is not None),
+            f"{who}: use_ref_model=True needs ref_input [2B, T, H'] and ref_weight [V, H']",
+        )
+        if self.use_ref_model:
+            _shape(who, "ref_input", ref_input, tuple(_input.shape[:2]) + (ref_weight.shape[1],))
+        keep = target != self.ignore_index
+        ids = torch.where(keep, target, 0)
+        padded = round_to_bucket(_input.shape[1], self.bucket.width, self.bucket.per_octave)
+        hidden, ids, mask, ref_hidden = _pad_width(
+            padded, _input, ids, keep.float(), ref_input if self.use_ref_model else None
+        )
+        # Liger's logit means run over every position of the unpadded rows (ignored ones too).
+        positions = lin_weight.new_tensor(float(_input.shape[0] // 2 * _input.shape[1] * lin_weight.shape[0]))
+        return self._objective(hidden, lin_weight, bias, ids, mask, ref_hidden, ref_weight, ref_bias, positions)
+
+    def _sums(self, hidden, weight, bias, ids, mask):
+        """Per row: the summed log-prob of its kept targets."""
+        return (_token_logprobs(hidden, weight, bias, ids, 1.0, self.chunk_size) * mask).sum(-1)
+
+    def _dpo(self, hidden, weight, bias, ids, mask, ref_hidden, ref_weight, ref_bias, positions):
+        pairs = hidden.shape[0] // 2
+        sums = self._sums(hidden, weight, bias, ids, mask)
+        ref = torch.zeros_like(sums)
+        if ref_hidden is not None:
+            with torch.no_grad():
+                ref = self._sums(ref_hidden.detach(), ref_weight.detach(), ref_bias, ids, mask)
+        logps = sums
+        if self.average_log_prob:
+            logps, ref = sums / mask.sum(-1), ref / mask.sum(-1)
+        chosen, rejected = logps[:pairs], logps[pairs:]
+        chosen_rewards = self.beta * (chosen - ref[:pairs])
+        rejected_rewards = self.beta * (rejected - ref[pairs:])
+        loss = -F.logsigmoid(chosen_rewards - rejected_rewards).sum() / pairs
+        nll = sums.new_zeros(())
+        if self.compute_nll_loss:
+            nll = -sums[:pairs].sum() / mask[:pairs].sum()
+            loss = loss + self.alpha * nll
+        # The logits' sum over a row's positions and the vocabulary: (Σ_t h_t) · Σ_v W_v + T · Σ_v b_v.
+        row_sums = hidden.detach().float().sum(1) @ weight.detach().float().sum(0)
+        bias_sum = 0.0 if bias is None else bias.detach().float().sum() * (positions / weight.shape[0] / pairs)
+        halves = (slice(0, pairs), slice(pairs, None))
+        means = [(row_sums[half].sum() + pairs * bias_sum) / positions for half in halves]
+        return loss, (chosen, rejected, *means, nll, chosen_rewards, rejected_rewards)
+
+
+class FusedLinearJSDLoss(nn.Module):
+    """Liger's `LigerFusedLinearJSDLoss`: `forward(student_input [N, H], student_weight [V, H],
+    teacher_input [N, H'], teacher_weight [V, H'], true_labels [N], student_bias=None,
+    teacher_bias=None)` → `weight_hard_loss · CE(true_labels) + weight_soft_loss ·
+    JSD_β(student ‖ teacher)`, both summed over the positions whose label is not
+    `ignore_index` and divided by their count. The generalised JSD at temperature `τ`: β = 0
+    is the forward KL(teacher ‖ student), β = 1 the reverse KL(student ‖ teacher). Computed
+    in row chunks (`chunk_size` rows, at most 16 chunks); each chunk's student and teacher
+    logits exist only inside its chunk and are recomputed in the backward."""
+
+    def __init__(
+        self,
+        weight_hard_loss: float = 0.5,
+        weight_soft_loss: float = 0.5,
+        beta: float = 0.5,
+        ignore_index: int = -100,
+        temperature: float = 1.0,
+        compiled: bool = True,
+        chunk_size: int = 1024,
+        bucket: BucketGrid = DEFAULT_BUCKET,
+    ) -> None:
+        super().__init__()
+        who = "FusedLinearJSDLoss"
+        _require(0.0 <= beta <= 1.0, f"{who}: beta must be in [0, 1], got {beta!r}")
+        _require(temperature > 0, f"{who}: temperature must be > 0, got {temperature!r}")
+        _require(chunk_size >= 1, f"{who}: chunk_size must be >= 1, got {chunk_size!r}")
+        self.weight_hard_loss, self.weight_soft_loss, self.beta = weight_hard_loss, weight_soft_loss, beta
+        self.ignore_index, self.temperature, self.chunk_size = ignore_index, temperature, chunk_size
+        self.bucket = bucket
+        self._objective = _Objective(self._distillation, compiled)
+
+    def forward(
+        self,
+        student_input: Tensor,
+        student_weight: Tensor,
+        teacher_input: Tensor,
+        teacher_weight: Tensor,
+        true_labels: Tensor,
+        student_bias: Tensor | None = None,
+        teacher_bias: Tensor | None = None,
+    ) -> Tensor:
+        who = "FusedLinearJSDLoss"
+        if student_input.dim() != 2 or teacher_input.dim() != 2 or teacher_input.shape[0] != student_input.shape[0]:
+            raise ValueError(
+                f"{who}: student_input must be [N, H] and teacher_input [N, H'], got "
+                f"{tuple(student_input.shape)} and {tuple(teacher_input.shape)}"
+            )
+        _require(
+            teacher_weight.shape[0] == student_weight.shape[0],
+            f"{who}: student_weight and teacher_weight must have the same vocabulary (rows), got "
+            f"{tuple(student_weight.shape)} and {tuple(teacher_weight.shape)}",
+        )
+        _shape(who, "true_labels", true_labels, (student_input.shape[0],))
+        rows = student_input.shape[0]
+        keep = true_labels != self.ignore_index
+        padded = round_to_bucket(rows, self.bucket.width, self.bucket.per_octave)
+        ids = torch.where(keep, true_labels, 0)
+        student, teacher, ids, mask = _pad_width(
+            padded, student_input[None], teacher_input[None], ids[None], keep[None].float()
+        )
+        count = mask.sum().clamp(min=1.0)
+        return self._objective(
+            student[0], student_weight, student_bias, teacher[0], teacher_weight, teacher_bias, ids[0], mask[0], count
+        )
+
+    def _distillation(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask, count):
+        rows = student.shape[0]
+        step = max(self.chunk_size, -(-rows // 16))
+        total = student.new_zeros((), dtype=torch.float32)
+        for start in range(0, rows, step):
+            part = slice(start, min(start + step, rows))
+            total = total + torch.utils.checkpoint.checkpoint(
+                self._chunk,
+                student[part],
+                weight,
+                bias,
+                teacher[part].detach(),
+                t_weight.detach(),
+                None if t_bias is None else t_bias.detach(),
+                ids[part],
+                mask[part],
+                use_reentrant=False,
+            )
+        return total / count
+
+    def _chunk(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask):
+        """`Σ (w_hard · CE + w_soft · JSD_β)` over this chunk's kept rows."""
+        logits = F.linear(student, weight, bias).float()
+        hard = -logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+        s = (logits / self.temperature).log_softmax(-1)
+        t = (F.linear(teacher, t_weight, t_bias).float() / self.temperature).log_softmax(-1)
+        if self.beta == 0:
+            soft = (t.exp() * (t - s)).sum(-1)
+        elif self.beta == 1:
+            soft = (s.exp() * (s - t)).sum(-1)
+        else:
+            m = torch.logsumexp(torch.stack([s + math.log(1 - self.beta), t + math.log(self.beta)]), 0)
+            soft = self.beta * (t.exp() * (t - m)).sum(-1) + (1 - self.beta) * (s.exp() * (s - m)).sum(-1)
+        return ((self.weight_hard_loss * hard + self.weight_soft_loss * soft) * mask).sum()

@@ -1,0 +1,111 @@
+"""TRL's `GRPOTrainer` with its loss computed by compiled_loss: swap the import,
+
+    from compiled_loss.integrations.trl import GRPOTrainer   # instead of: from trl import GRPOTrainer
+
+and the trainer computes each micro-batch's loss with `FusedLinearGRPOLoss` (its attribute
+`liger_loss`, Liger's name for it in TRL's trainers) from the policy's last hidden states
+and `lm_head`, compiled, without the `[B, T, V]` logits: the flow of TRL's Liger path
+(TRL's `use_liger_kernel`), with TRL's normalisers and gradient-accumulation scaling, and
+`kl` and `clip_ratio/region_mean` logged. A configuration it cannot honour (a loss type
+other than grpo/bnpo/dr_grpo/dapo, sequence-level importance sampling, an entropy
+mask or bonus, an off-policy mask, vLLM importance sampling, a MoE auxiliary loss, two-sided
+clipping) is refused when the trainer is built, naming the
+`GRPOConfig` field.
+
+Needs `trl` (the `[hf]` extra: `pip install 'compiled_loss[hf]'`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from compiled_loss.integrations.liger import GRPO_LOSS_TYPES, FusedLinearGRPOLoss
+
+try:
+    import trl
+    from trl.models.utils import _ForwardRedirection
+except ImportError as error:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        "compiled_loss.integrations.trl needs trl and transformers: pip install 'compiled_loss[hf]'"
+    ) from error
+
+Tensor = torch.Tensor
+
+
+def _refuse_unsupported(trainer: trl.GRPOTrainer) -> None:
+    """A ValueError naming the first `GRPOConfig` field the fused loss cannot honour."""
+    args = trainer.args
+    refused = [
+        ("loss_type", trainer.loss_type not in GRPO_LOSS_TYPES, f"one of {GRPO_LOSS_TYPES}"),
+        ("importance_sampling_level", trainer.importance_sampling_level != "token", "'token'"),
+        ("top_entropy_quantile", trainer.top_entropy_quantile < 1.0, "1.0"),
+        ("entropy_coef", trainer._entropy_bonus_enabled, "0 (no entropy bonus)"),
+        ("off_policy_mask_threshold", trainer.off_policy_mask_threshold is not None, "None"),
+        ("vllm_importance_sampling_correction", trainer.use_vllm and args.vllm_importance_sampling_correction, "False"),
+        ("router_aux_loss_coef", trainer.aux_loss_enabled, "0 (no MoE auxiliary loss)"),
+        ("delta", args.delta is not None, "None"),
+    ]
+    for field, bad, expected in refused:
+        if bad:
+            raise ValueError(
+                f"compiled_loss GRPOTrainer: GRPOConfig.{field}={getattr(args, field, None)!r} is not supported "
+                f"(expected {expected})"
+            )
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """`trl.GRPOTrainer` whose loss is `FusedLinearGRPOLoss` (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+        self.liger_loss = FusedLinearGRPOLoss(
+            beta=self.beta,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            temperature=self.temperature,
+            use_ref_model=self.beta != 0.0,
+            loss_type=self.loss_type,
+            max_completion_length=self.max_completion_length,
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+        )
+        self._forward_redirection = _ForwardRedirection()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("GRPOTrainer does not support returning outputs")
+        unwrapped = self.accelerator.unwrap_model(model)
+        return self._forward_redirection(model, unwrapped, self._fused_loss, unwrapped, inputs)
+
+    def _fused_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Tensor:
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        width = completion_ids.shape[1]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        head = model.get_output_embeddings()
+        with self.accelerator.autocast():  # the mixed precision TRL's own forward runs in (GRPOConfig.bf16)
+            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = hidden[:, -width - 1 : -1]  # position t predicts completion token t
+            loss, metrics = self.liger_loss(
+                hidden,
+                head.weight,
+                completion_ids,
+                mask,
+                inputs["advantages"],
+                bias=head.bias,
+                ref_per_token_logps=inputs.get("ref_per_token_logps"),
+                old_per_token_logps=inputs.get("old_per_token_logps"),
+                num_items_in_batch=inputs.get("num_items_in_batch"),
+            )
+        mode = "train" if self.model.training else "eval"
+        if self.beta != 0.0:
+            self._metrics[mode]["kl"].append(self.accelerator.gather(metrics[0]).mean().item())
+        self._metrics[mode]["clip_ratio/region_mean"].append(self.accelerator.gather(metrics[-1]).mean().item())
+        if mode == "eval":
+            return loss
+        if self.loss_type == "dapo":  # num_items_in_batch spans the generation batch (TRL's rescaling)
+            return loss / (self.current_gradient_accumulation_steps / self.args.steps_per_generation)
+        return loss / self.current_gradient_accumulation_steps
