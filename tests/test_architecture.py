@@ -22,15 +22,16 @@ LAYERS = [
     {"inputs"},
     {"draft"},
     {"wrapper", "utils", "loss_functions", "loss_input"},  # the seed facades
+    {"integrations"},  # Liger / TRL front-ends (trl imported only by integrations.trl)
     {"config"},
     {"train"},  # the compiled step: usable with any model, without the demo or Hydra
-    {"demo"},  # the embedded model, task data and teachers the app trains on
+    {"demo"},  # the embedded model (or a transformers one), task data and teachers the app trains on
     {"app", "run", "plot", "conf"},  # the application: run loop, rollouts, checkpoints, Hydra
     {"audit"},
 ]
 
 # What each room of the application side holds (a new module there is a decision, not a drift).
-DEMO = {"__init__", "model", "data", "cross_tokenizer"}
+DEMO = {"__init__", "model", "hf", "data", "cross_tokenizer"}
 
 
 def _layer(room: str) -> int:
@@ -77,5 +78,6 @@ def test_library_imports_without_hydra():
         "import sys; sys.modules['hydra'] = None; sys.modules['omegaconf'] = None\n"
         "import compiled_loss.wrapper, compiled_loss.utils, compiled_loss.loss_functions, compiled_loss.loss_input\n"
         "import compiled_loss.config, compiled_loss.train, compiled_loss.demo.data, compiled_loss.demo.cross_tokenizer\n"
+        "sys.modules['trl'] = sys.modules['transformers'] = None; import compiled_loss.integrations\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -47,6 +47,7 @@ RESUMABLE = (
     "run.deterministic",
     "run.validate_inputs",
     "run.log_every",
+    "run.loggers",
     "run.save_every",
     "run.keep_last",
     "run.steps",
@@ -214,7 +215,7 @@ def load_checkpoint(path: str, run: Run) -> tuple[int, list[dict[str, Any]], lis
     cannot continue from is a ValueError naming `run.resume` and what is wrong."""
     state = _read(path, next(run.policy.parameters()).device)
     changes = _compatible(path, state, run)
-    done, warm, total = state["step"], state["warm_steps"], run.warm_steps + run.cfg.run.steps
+    done, warm, total = state["step"], state["warm_steps"], run.cfg.run.steps
     if min(done, warm) != min(done, run.warm_steps):  # a step the checkpoint trained would change phase
         need = f"run.sft_steps={warm}" if done > warm else f"run.sft_steps >= {done}"
         raise ValueError(
@@ -224,8 +225,8 @@ def load_checkpoint(path: str, run: Run) -> tuple[int, list[dict[str, Any]], lis
         )
     if done >= total:
         raise ValueError(
-            f"run.resume={path!r} is at step {done}; this run ends at step {total} ({run.warm_steps} "
-            f"warm-start steps + run.steps={run.cfg.run.steps}): nothing to train — raise run.steps"
+            f"run.resume={path!r} is at step {done}; this run ends at run.steps={total}: nothing to train — raise "
+            "run.steps"
         )
     try:
         run.policy.load_state_dict(state["policy"])

@@ -1,11 +1,13 @@
 """The embedded training loop: the demo model on the demo task through the compiled
-training step, with a progress line per step and `metrics.jsonl` / `summary.json`.
+training step, with its progress logged (`compiled_loss.app.loggers`), each step's metrics
+to the loggers of `run.loggers` and `summary.json`.
 
-A run has two phases. The warm start: `run.sft_steps` steps of NLL on correct responses
-through the same compiled step built for `loss=nll` (none for `loss=mse_value`: a value
-head has no LM head). Then `run.steps` steps of the run's loss on on-policy rollouts
-(`compiled_loss.app.rollouts`), with the warm-start weights as the KL reference. Each
-step: the batch (sampled by the policy, annotated), one optimizer step, a metrics record.
+A run trains `run.steps` optimizer steps in two phases. The warm start: the first
+`run.sft_steps` steps train NLL on correct responses through the same compiled step built
+for `loss=nll` (none for `loss=mse_value`: a value head has no LM head). Then the rest
+train the run's loss on on-policy rollouts (`compiled_loss.app.rollouts`), with the
+warm-start weights as the KL reference. Each step: the batch (sampled by the policy,
+annotated), one optimizer step, a metrics record.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import contextlib
 import copy
 import dataclasses
 import json
-import math
+import logging
 import random
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,17 +29,22 @@ import torch
 from compiled_loss.app.batches import annotate_cross_tokenizer
 from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
 from compiled_loss.app.curves import WARM_START
+from compiled_loss.app.loggers import MetricsLogger, Progress, finite, open_loggers, step_line
 from compiled_loss.app.rollouts import Rollouts
 from compiled_loss.config import Config, build_draft_runtime, loss_family
 from compiled_loss.config.losses import NllLossOption
 from compiled_loss.demo import cross_tokenizer
+from compiled_loss.demo.hf import policy_model
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.draft import DraftRuntimeBase
 from compiled_loss.interfaces import LossFunction
 from compiled_loss.losses import update_reward_shift
 from compiled_loss.train import build_train_step
 from compiled_loss.train.parallel import ParallelGroups, init_parallel
+from compiled_loss.train.recorder import CompileRecorder
 from compiled_loss.train.step import TrainStep
+
+log = logging.getLogger(__name__)
 
 # the metrics shown on the per-step line, per loss family (when present)
 _KEY_METRICS = {
@@ -59,29 +68,6 @@ def _draft_metrics(cfg: Config) -> tuple[str, ...]:
     if cfg.draft.name == "dflash":
         return "draft_loss", "draft_tau", "draft_accept_rate@1", "draft_acc@1"
     return ()
-
-
-def _progress(step: int, total: int, width: int = 30) -> str:
-    done = width * step // total
-    return f"[{'#' * done}{'.' * (width - done)}] {step}/{total}"
-
-
-def _finite(values: dict[str, Any], where: str, reported: set[str] | None) -> dict[str, Any]:
-    """`values` with each non-finite float as None: `metrics.jsonl` and `summary.json` hold
-    JSON, which has no NaN or infinity. The first time a key is non-finite, a warning line
-    names it and `where` (`reported`: the keys named so far; None: name none)."""
-    out = dict(values)
-    for key, value in values.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            out[key] = None
-            if reported is not None and key not in reported:
-                reported.add(key)
-                print(
-                    f"warning: {where}: {key} is {value}, written as null (later non-finite {key} values are "
-                    "not reported)",
-                    flush=True,
-                )
-    return out
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:
@@ -141,6 +127,16 @@ class Run:
     rollouts: Rollouts
     warm_steps: int
 
+    def recorders(self) -> list[CompileRecorder]:
+        """The compile recorders of both steps and the sampler (none where nothing compiles)."""
+        found = [r for s in (self.step, self.warm) for r in (s.recorder, s.model_recorder) if r is not None]
+        sampler = self.rollouts.sampler
+        return found + ([sampler.recorder] if sampler is not None and sampler.recorder is not None else [])
+
+    def compile_seconds(self) -> float:
+        """The seconds spent compiling so far."""
+        return sum(r.report.compile_seconds for r in self.recorders())
+
     def batch(self, i: int, reward_shift: float | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """This replica's batch of global step `i` (1-based, warm start included) and its
         statistics; `reward_shift`: MPO's running reward shift δ, carried in the batch."""
@@ -178,7 +174,9 @@ def build_models(cfg: Config, groups: ParallelGroups) -> Models:
     teachers the loss family reads and the drafter (its denominators summed over the
     data-parallel group)."""
     family = loss_family(cfg.loss)
-    policy = TinyLM(cfg.model, value_head=family == "value", vocab_shard=(groups.tp_rank, groups.sizes[0]))
+    policy = policy_model(
+        cfg.model, value_head=family == "value", draft=cfg.draft.name, vocab_shard=(groups.tp_rank, groups.sizes[0])
+    )
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family in ("distillation", "opd_full") else None
     teachers = cross_tokenizer.teacher_models(cfg) if family == "cross_tokenizer" else None
@@ -216,13 +214,83 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
         warm=warm,
         step=step,
         rollouts=rollouts,
-        warm_steps=0 if family == "value" else cfg.run.sft_steps,
+        warm_steps=cfg.run.warm_start_steps(family),
     )
+
+
+def schedule(cfg: Config, warm_steps: int) -> str:
+    """How the run's `run.steps` optimizer steps divide between the warm start and the loss."""
+    total = cfg.run.steps
+
+    def span(first: int, last: int) -> str:
+        return f"step {first}" if first == last else f"steps {first}-{last}"
+
+    loss = f"loss={cfg.loss.name} at {span(warm_steps + 1, total)}"
+    warm = f"the warm start (NLL, run.sft_steps={warm_steps}) at {span(1, warm_steps)}, " if warm_steps else ""
+    return f"run.steps={total}: {warm}{loss}"
+
+
+def _compiling(cfg: Config, run: Run, warming: bool, first: bool) -> str:
+    """What the first step of a phase in this process compiles."""
+    step = "the warm start's training step (loss=nll)" if warming else f"the training step of loss={cfg.loss.name}"
+    sampler = ["the sampler"] if first and run.rollouts.sampler is not None else []
+    return f"compiling {' and '.join([*sampler, step])} (compile.backend={cfg.compile.backend}) …"
 
 
 def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     groups = init_parallel(cfg.parallel)
+    lead = groups.rank == 0
     run = build_run(cfg, groups)
+    done, history = _resume(cfg, run, lead)  # a checkpoint it refuses stops the run before it writes anything
+    reported: set[str] = set()  # the keys whose non-finite values were reported
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        loggers, progress = [], None
+        if lead:
+            loggers = open_loggers(cfg, output_dir, reported, stack)
+            log.info("%s; output in %s", schedule(cfg, run.warm_steps), output_dir)
+            for record in history:
+                for logger in loggers:
+                    logger.log(record["step"], record)
+            progress = stack.enter_context(Progress(cfg.run.steps, done, cfg.run.log_every, bar=sys.stderr.isatty()))
+        _steps(cfg, run, output_dir, done, history, loggers, progress)
+    summary = _summary(cfg, history, run, groups.rank, output_dir)
+    name = "summary.json" if lead else f"summary.rank{groups.rank}.json"
+    summary = finite(summary, name, reported if lead else None)
+    (output_dir / name).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    if lead:
+        log.info("%s:\n%s", output_dir / name, json.dumps(summary, indent=2))
+    return summary
+
+
+def _resume(cfg: Config, run: Run, lead: bool) -> tuple[int, list[dict[str, Any]]]:
+    """The step `run.resume`'s checkpoint is at and the records of the steps up to it (0 and
+    none without one), restored into `run`."""
+    if cfg.run.resume is None:
+        return 0, []
+    done, history, changes = load_checkpoint(cfg.run.resume, run)
+    if lead:
+        log.info(
+            f"resuming at step {done} of {cfg.run.steps} from run.resume={cfg.run.resume}; "
+            + (f"changed since it was written: {', '.join(changes)}" if changes else "the same config")
+        )
+    # the drafter's anchor noise is seeded by each step object's count of global batches
+    run.warm.global_batch, run.step.global_batch = min(done, run.warm_steps) - 1, max(done - run.warm_steps, 0) - 1
+    return done, history
+
+
+def _steps(
+    cfg: Config,
+    run: Run,
+    output_dir: Path,
+    done: int,
+    history: list[dict[str, Any]],
+    loggers: list[MetricsLogger],
+    progress: Progress | None,
+) -> None:
+    """Train the run's steps after step `done`, appending their records to `history`. Rank 0
+    (the one with a `progress`) writes the checkpoints, logs the progress and hands each
+    record to the `loggers`."""
     family, policy, reference, step, warm, rollouts = (
         run.family,
         run.policy,
@@ -231,96 +299,64 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
         run.warm,
         run.rollouts,
     )
-    warm_steps = run.warm_steps
-    total = warm_steps + cfg.run.steps
-    history: list[dict[str, Any]] = []
-    done = 0
-    lead = groups.rank == 0
-    if cfg.run.resume is not None:
-        done, history, changes = load_checkpoint(cfg.run.resume, run)
-        if lead:
-            print(
-                f"resuming at step {done} of {total} from run.resume={cfg.run.resume}; "
-                + (f"changed since it was written: {', '.join(changes)}" if changes else "the same config")
-            )
-        # the drafter's anchor noise is seeded by each step object's count of global batches
-        warm.global_batch, step.global_batch = min(done, warm_steps) - 1, max(done - warm_steps, 0) - 1
+    warm_steps, total, lead = run.warm_steps, cfg.run.steps, progress is not None
     # MPO: the driver's running mean reward δ of the BCO term (ref §4.4), carried in the metrics
     reward_shift = (
         None
         if cfg.loss.name != "mpo"
         else next((r["reward_shift"] for r in reversed(history) if "reward_shift" in r), cfg.loss.reward_shift)
     )
-    reported: set[str] = set()  # the keys whose non-finite values were reported
     saved: list[Path] = []  # the checkpoints this run wrote, oldest first
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / "metrics.jsonl", "w") if lead else contextlib.nullcontext() as log:
-        for record in history if lead else ():
-            log.write(
-                json.dumps(_finite(record, f"metrics.jsonl step {record['step']}", reported), allow_nan=False) + "\n"
+    for i in range(done + 1, total + 1):
+        warming = i <= warm_steps
+        if i == warm_steps + 1 and warm_steps:  # the warm-start weights become the KL reference
+            reference.load_state_dict(policy.state_dict())
+        if lead and cfg.compile.enabled and i in (done + 1, warm_steps + 1):  # a phase's first step compiles
+            log.info("step %d: %s", i, _compiling(cfg, run, warming, first=i == done + 1))
+        start, compiling = time.perf_counter(), run.compile_seconds()
+        batch, stats = run.batch(i, None if warming else reward_shift)
+        result = (warm if warming else step)(batch)
+        if reward_shift is not None and not warming:
+            reward_shift = update_reward_shift(
+                reward_shift,
+                result.metrics["bco_reward_sum"],
+                result.metrics["bco_reward_count"],
+                cfg.loss.reward_shift_momentum,
             )
-        for i in range(done + 1, total + 1):
-            warming = i <= warm_steps
-            if i == warm_steps + 1 and warm_steps:  # the warm-start weights become the KL reference
-                reference.load_state_dict(policy.state_dict())
-            batch, stats = run.batch(i, None if warming else reward_shift)
-            result = (warm if warming else step)(batch)
-            if reward_shift is not None and not warming:
-                reward_shift = update_reward_shift(
-                    reward_shift,
-                    result.metrics["bco_reward_sum"],
-                    result.metrics["bco_reward_count"],
-                    cfg.loss.reward_shift_momentum,
-                )
-                stats = {**stats, "reward_shift": reward_shift}
-            record = {
-                "step": i,
-                "phase": WARM_START if warming else cfg.loss.name,
-                **result.metrics,
-                **stats,
-                "tokens": result.tokens,
-                "tokens_per_s": result.tokens / result.seconds,
-                "padding_fraction": 1 - result.tokens / result.slots,
-                "step_seconds": result.seconds,
-                "slots": result.slots,
-                "compiles": step.compiles + warm.compiles + (rollouts.sampler.compiles if rollouts.sampler else 0),
-            }
-            history.append(record)
-            if lead and cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):
-                saved.append(save_checkpoint(output_dir / "checkpoints", run, i, history))
-                if cfg.run.keep_last and len(saved) > cfg.run.keep_last:  # the new one is in place
-                    saved.pop(0).unlink()
-            if not lead:
-                continue
-            log.write(json.dumps(_finite(record, f"metrics.jsonl step {i}", reported), allow_nan=False) + "\n")
-            log.flush()
-            if i % cfg.run.log_every == 0 or i == total:
-                shown_keys = (() if warming else _KEY_METRICS.get(family, ())) + _draft_metrics(cfg)
-                keys = [k for k in shown_keys if k in record]
-                shown = " ".join(f"{k} {record[k]:.4g}" for k in keys)
-                print(
-                    f"\r{_progress(i, total)} {record['phase']} loss {record['loss']:.4f} {shown} reward "
-                    f"{record['reward']:.3f} | {record['tokens_per_s']:.0f} tok/s | compiles {record['compiles']}",
-                    flush=True,
-                )
-    summary = _summary(cfg, history, warm_steps, step, warm, rollouts, groups.rank, output_dir)
-    name = "summary.json" if lead else f"summary.rank{groups.rank}.json"
-    summary = _finite(summary, name, reported if lead else None)
-    (output_dir / name).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    if lead:
-        print(json.dumps(summary, indent=2))
-    return summary
+            stats = {**stats, "reward_shift": reward_shift}
+        record = {
+            "step": i,
+            "phase": WARM_START if warming else cfg.loss.name,
+            **result.metrics,
+            **stats,
+            "tokens": result.tokens,
+            "tokens_per_s": result.tokens / result.seconds,
+            "padding_fraction": 1 - result.tokens / result.slots,
+            "step_seconds": result.seconds,
+            "slots": result.slots,
+            "compiles": step.compiles + warm.compiles + (rollouts.sampler.compiles if rollouts.sampler else 0),
+        }
+        history.append(record)
+        if lead and cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):
+            saved.append(save_checkpoint(output_dir / "checkpoints", run, i, history))
+            if cfg.run.keep_last and len(saved) > cfg.run.keep_last:  # the new one is in place
+                saved.pop(0).unlink()
+        if not lead:
+            continue
+        seconds, compiled = time.perf_counter() - start, run.compile_seconds() - compiling
+        if compiled:
+            log.info("step %d: %.1f s, %.1f s of it compiling", i, seconds, compiled)
+        for logger in loggers:
+            logger.log(i, record)
+        shown = (() if warming else _KEY_METRICS.get(family, ())) + _draft_metrics(cfg)
+        progress.step(record, step_line(record, total, shown), seconds, compiled=bool(compiled))
 
 
-def _summary(
-    cfg: Config, history, warm_steps: int, step, warm, rollouts: Rollouts, rank: int, output_dir: Path
-) -> dict[str, Any]:
+def _summary(cfg: Config, history: list[dict[str, Any]], run: Run, rank: int, output_dir: Path) -> dict[str, Any]:
     main = [r for r in history if r["phase"] != WARM_START]
     steady = [r for r, before in zip(main[1:], main) if r["compiles"] == before["compiles"]]  # no compile in it
     tokens, seconds = sum(r["tokens"] for r in main), sum(r["step_seconds"] for r in main)
-    recorders = [r for s in (step, warm) for r in (s.recorder, s.model_recorder) if r is not None]
-    if rollouts.sampler is not None and rollouts.sampler.recorder is not None:
-        recorders.append(rollouts.sampler.recorder)
+    warm_steps, step, rollouts, recorders = run.warm_steps, run.step, run.rollouts, run.recorders()
     return {
         "loss": cfg.loss.name,
         "draft": cfg.draft.name,
@@ -342,7 +378,7 @@ def _summary(
         "padding_fraction": 1 - tokens / sum(r["slots"] for r in main),
         "compiles": step.compiles,
         "buckets": len(step.buckets),
-        "compile_seconds": sum(r.report.compile_seconds for r in recorders),
+        "compile_seconds": run.compile_seconds(),
         "sampler_compiles": rollouts.sampler.compiles if rollouts.sampler else 0,
         "compile_problems": [p for r in recorders for p in r.report.problems()],
         "parallel": {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "dp": cfg.parallel.dp, "rank": rank},

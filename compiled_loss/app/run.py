@@ -3,15 +3,17 @@
 The embedded default warm-starts the tiny LM with NLL on correct responses, then trains it
 with GRPO on its own samples of the synthetic progression task, with fused packing,
 compiled by Inductor. Every choice is an override, e.g.
-`python -m compiled_loss.run loss=dpo packing=none compile.backend=aot_eager run.steps=5`;
+`python -m compiled_loss.run loss=dpo packing=none compile.backend=aot_eager run.steps=5 run.sft_steps=0`;
 `-m` sweeps: `python -m compiled_loss.run -m loss=clipped_pg,dpo packing=none,fused` (the jobs run one
 after the other in this process, each from a clean Dynamo state).
-Writes `metrics.jsonl` (one line per step), `summary.json` and `curves.png` (with
-matplotlib) into Hydra's run directory.
+Writes into Hydra's run directory: `run.log` (everything the run logs), the files of
+`run.loggers` (`metrics.jsonl`, one line per step, by default), `summary.json` and
+`curves.png` (from `metrics.jsonl`, with matplotlib).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import hydra
@@ -23,6 +25,8 @@ from compiled_loss.app.cli import fail
 from compiled_loss.app.curves import plot_runs, read_metrics
 from compiled_loss.app.loop import train
 from compiled_loss.app.store import load_config
+
+log = logging.getLogger(__name__)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://compiled_loss.conf", config_name="config")
@@ -38,7 +42,10 @@ def main(cfg: DictConfig) -> None:
     summary = train(config, output_dir)
     if summary["parallel"]["rank"] != 0:
         return
+    if "jsonl" not in config.run.loggers:
+        log.info("curves.png skipped: it is drawn from metrics.jsonl, which run.loggers leaves out")
+        return
     try:
-        print(f"curves: {plot_runs([(output_dir.name, read_metrics(output_dir))], output_dir / 'curves.png')}")
+        log.info(f"curves: {plot_runs([(output_dir.name, read_metrics(output_dir))], output_dir / 'curves.png')}")
     except ImportError:
-        print("curves.png skipped: matplotlib is not installed (pip install 'compiled_loss[plot]')")
+        log.info("curves.png skipped: matplotlib is not installed (pip install 'compiled_loss[plot]')")

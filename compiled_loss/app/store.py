@@ -8,8 +8,9 @@ outside the config groups, so `--help` lists only the real options; each YAML op
 it. `load_config` rejects, before anything is built: unknown keys (including Hydra's
 silently accepted `+key=` additions), invalid values and impossible combinations — each
 message names the key — and, beyond what `Config` checks, what only the application knows:
-a run whose largest allocations exceed this machine's memory, and a seed and step count
-that overflow the sampler's generator seed.
+a run whose largest allocations exceed this machine's memory, a seed and step count that
+overflow the sampler's generator seed, a warm start that leaves the loss no step, and a
+logger whose package is not installed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from compiled_loss.app.loggers import check_installed
 from compiled_loss.app.sampler import sampling_uniforms
 from compiled_loss.checks import ConfigError, require
 from compiled_loss.config import (
@@ -43,7 +45,7 @@ from compiled_loss.config import (
 )
 from compiled_loss.config.drafts import size_keys
 from compiled_loss.config.groups import PackingMode
-from compiled_loss.demo.model import TinyLM
+from compiled_loss.demo.hf import policy_model
 from compiled_loss.packing import round_to_bucket
 
 GROUP_SCHEMAS: dict[str, type] = {
@@ -128,9 +130,15 @@ def allocations(config: Config) -> list[tuple[str, int]]:
     bound of its peak memory."""
     model, draft, family = config.model, config.draft, loss_family(config.loss)
     size = getattr(torch, model.dtype).itemsize
-    model_keys = "model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions"
-    params, _ = _parameters(
-        lambda n: TinyLM(dataclasses.replace(model, num_layers=n), value_head=family == "value"),
+    model_keys = (
+        "model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions"
+        if model.hf_path is None
+        else f"model.hf_path={model.hf_path}"
+    )
+    params, _ = _parameters(  # a model.hf_path checkpoint is built whole, whatever num_layers says
+        lambda n: policy_model(
+            dataclasses.replace(model, num_layers=n), value_head=family == "value", draft=draft.name
+        ),
         model.num_layers,
         model_keys,
     )
@@ -202,8 +210,10 @@ def allocations(config: Config) -> list[tuple[str, int]]:
 def check_run(config: Config) -> None:
     """What `Config` cannot check: the run's largest allocations (`allocations`) against this
     machine's memory — the bound of every size no data-derived bound covers: the model's and
-    the drafter's widths and depths, the batch, the bucket grid — and `run.seed` with the step
-    count against the sampler's 64-bit generator seed (tried at the first and the last step)."""
+    the drafter's widths and depths, the batch, the bucket grid —, `run.seed` with the step
+    count against the sampler's 64-bit generator seed (tried at the first and the last step),
+    that the warm start leaves at least one of `run.steps` to the loss, and that each logger
+    of `run.loggers` has its package."""
     found = allocations(config)
     need, have = sum(b for _, b in found), memory_bytes()
     _, _, batch_keys = config.longest_micro_batch()
@@ -214,14 +224,22 @@ def check_run(config: Config) -> None:
         + f" (the longest micro-batch: {batch_keys})",
     )
     run = config.run
-    for step in (1, run.sft_steps + run.steps):
+    for step in (1, run.steps):
         try:
             sampling_uniforms(run.seed, step, 1, 1)
         except (RuntimeError, ValueError) as e:
             raise ConfigError(
-                f"run.seed={run.seed} overflows the sampler's generator seed at step {step} of run.sft_steps + "
-                f"run.steps ({e}): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits"
+                f"run.seed={run.seed} overflows the sampler's generator seed at step {step} of run.steps ({e}): the "
+                "seed of step s is run.seed × 1,000,003 + s, at most 64 bits"
             ) from None
+    warm = run.warm_start_steps(loss_family(config.loss))
+    require(
+        warm < run.steps,
+        f"run.sft_steps={warm} leaves no step of run.steps={run.steps} to loss={config.loss.name}: run.steps counts "
+        f"every optimizer step, the warm start's included; lower run.sft_steps below {run.steps} (0: no warm start) "
+        f"or raise run.steps above {warm}",
+    )
+    check_installed(run.loggers)
 
 
 def load_config(cfg: DictConfig) -> Config:

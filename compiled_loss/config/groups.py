@@ -195,55 +195,76 @@ class OptimConfig:
             )
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # the choices of `run.loggers`
+
+
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """The training loop."""
 
     sft_steps: int = 27
-    """Warm start: NLL steps on correct responses before the loss's steps (none for a value head)."""
-    steps: int = 150
-    """Optimizer steps of the loss (after the warm start)."""
+    """Warm start: the first this many of `steps` train NLL on correct responses (a value head, which has no LM
+    head, skips them); at least one of `steps` must be left for the loss (`compiled_loss.app.store.check_run`)."""
+    steps: int = 177
+    """Optimizer steps of the whole run, the warm start's included: the first `sft_steps` train NLL, the rest the
+    loss."""
     micro_batches: int = 2
     """Micro-batches per step (gradients accumulate)."""
     seed: int = 0
     """Seed of the model init, the prompts and the sampler (with the step count, it must keep the sampler's
     generator seed in 64 bits: checked by `compiled_loss.app.store.check_run`)."""
     log_every: int = 1
-    """Print a progress line every this many steps (<= sft_steps + steps)."""
+    """Log a line of metrics every this many steps and after the last (<= steps)."""
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
+    """Where each step's metrics go ([jsonl] by default), a list of: jsonl (metrics.jsonl in the run directory;
+    curves.png is drawn from it), tensorboard (an event file in the run directory; pip install
+    'compiled_loss[tensorboard]'), wandb (a Weights & Biases run, offline unless WANDB_MODE says otherwise; pip
+    install 'compiled_loss[wandb]')."""
     validate_inputs: bool = True
     """Check each batch on the host before the compiled step reads it (`validate_batch`)."""
     save_every: int = 0
-    """Write a checkpoint every this many steps (warm start included) and after the last; 0: never
-    (<= sft_steps + steps)."""
+    """Write a checkpoint every this many steps (warm start included) and after the last; 0: never (<= steps)."""
     keep_last: int = 0
     """Keep this run's newest this many checkpoints (an older one is deleted once a newer one is written); 0: all
-    (<= sft_steps + steps)."""
+    (<= steps)."""
     resume: str | None = None
     """Continue from this checkpoint (a file `run.save_every` wrote)."""
     deterministic: bool = False
     """Deterministic kernels and Inductor's deterministic mode: bitwise-repeatable runs."""
 
+    def warm_start_steps(self, family: str) -> int:
+        """The steps of the warm start of a run whose loss is of `family`: `sft_steps`, none for a value head."""
+        return 0 if family == "value" else self.sft_steps
+
     def __post_init__(self) -> None:
         _fields(self, "run")
         _at_least(self, "run", 1, "steps", "micro_batches", "log_every")
         _at_least(self, "run", 0, "sft_steps", "save_every", "keep_last")
-        total = self.sft_steps + self.steps
+        require(
+            isinstance(self.loggers, list) and all(isinstance(name, str) for name in self.loggers),
+            f"run.loggers must be a list of names ({', '.join(LOGGERS)}), got {self.loggers!r}",
+        )
+        given = f"run.loggers=[{','.join(self.loggers)}]"
+        for name in self.loggers:
+            require(name in LOGGERS, f"{given}: unknown logger {name!r}; choices: {', '.join(LOGGERS)}")
+        require(len(set(self.loggers)) == len(self.loggers), f"{given} names a logger twice")
         for name, larger in (
-            ("log_every", "prints the last step's line only"),
+            ("log_every", "logs the last step's line only"),
             ("save_every", "writes after the last step only"),
             ("keep_last", "keeps every checkpoint: a run writes at most one per step"),
         ):
             value = getattr(self, name)
             require(
-                value <= total,
-                f"run.{name}={value} exceeds run.sft_steps + run.steps = {total}: a larger value {larger}, as "
-                f"run.{name}={total} does",
+                value <= self.steps,
+                f"run.{name}={value} exceeds run.steps={self.steps}: a larger value {larger}, as "
+                f"run.{name}={self.steps} does",
             )
 
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
-    """The embedded causal LM (random init). Its sizes are bounded by what the run can allocate
+    """The policy's causal LM: the embedded one (random init) or a Hugging Face `transformers`
+    one (`architecture=hf`). Its sizes are bounded by what the run can allocate
     (`compiled_loss.app.store.check_run`)."""
 
     vocab_size: int = 2048
@@ -260,6 +281,16 @@ class ModelConfig:
     """Learned positions (longest packed sequence)."""
     dtype: str = "float32"
     """Parameter dtype: float32 or bfloat16."""
+    architecture: str = "tiny"
+    """tiny: the embedded TinyLM; hf: a Hugging Face transformers causal LM (`model=hf`; pip install
+    'compiled_loss[hf]'), built from the sizes above (random init, no download) or loaded from hf_path."""
+    hf_model_type: str = "llama"
+    """architecture=hf: the transformers model_type built from the sizes above (llama, qwen2, mistral, …;
+    its MLP is mlp_ratio × hidden_size wide, max_positions its max_position_embeddings); unused with hf_path."""
+    hf_path: str | None = None
+    """architecture=hf: a local directory of a transformers causal LM (config.json and weights, as
+    save_pretrained writes them; nothing is downloaded), loaded with its own sizes in place of the built one;
+    its vocabulary must be vocab_size."""
 
     def __post_init__(self) -> None:
         _fields(self, "model")
@@ -272,6 +303,14 @@ class ModelConfig:
         )
         require(
             self.dtype in ("float32", "bfloat16"), f"model.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}"
+        )
+        require(
+            self.architecture in ("tiny", "hf"),
+            f"model.architecture must be 'tiny' or 'hf', got {self.architecture!r}",
+        )
+        require(
+            self.hf_path is None or self.architecture == "hf",
+            f"model.hf_path={self.hf_path} needs model.architecture=hf (model=hf)",
         )
 
 

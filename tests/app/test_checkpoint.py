@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import pytest
@@ -24,12 +25,12 @@ from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
 from compiled_loss.app.loop import build_run, train
 from compiled_loss.train.parallel import init_parallel
 
-SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=3", "run.steps=4", "run.save_every=2"]
+SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=3", "run.steps=7", "run.save_every=2"]
 TIMING = {"sample_seconds", "step_seconds", "tokens_per_s"}
 MAY = (
     "a resume may change only compile.*, packing.*, parallel.*, run.micro_batches, logprob.chunk_size, "
-    "logprob.fused_linear, run.deterministic, run.validate_inputs, run.log_every, run.save_every, run.keep_last, "
-    "run.steps, run.sft_steps"
+    "logprob.fused_linear, run.deterministic, run.validate_inputs, run.log_every, run.loggers, run.save_every, "
+    "run.keep_last, run.steps, run.sft_steps"
 )
 
 
@@ -59,7 +60,7 @@ def _same_weights(got, want) -> None:
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
-    """The uninterrupted runs (sft 3 + 4 steps, checkpoints at 2, 4, 6, 7), by drafter."""
+    """The uninterrupted runs (7 steps, the first 3 the warm start; checkpoints at 2, 4, 6, 7), by drafter."""
     runs = {}
 
     def get(draft: str):
@@ -78,7 +79,7 @@ def _error(path, run) -> str:
 
 
 @pytest.mark.parametrize("draft", ["none", "dflash"])
-def test_a_resumed_run_continues_as_the_uninterrupted_one(draft, whole, tmp_path, capsys):
+def test_a_resumed_run_continues_as_the_uninterrupted_one(draft, whole, tmp_path, caplog):
     out, metrics = whole(draft)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "step_2.pt",
@@ -89,26 +90,26 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(draft, whole, tmp_path
     final = torch.load(out / "checkpoints" / "step_7.pt", weights_only=True)
     for at in (2, 4):  # in the warm start (the reference is still to be set), in the loss's steps
         path = out / "checkpoints" / f"step_{at}.pt"
-        capsys.readouterr()
+        caplog.clear()
+        caplog.set_level(logging.INFO)
         _same_metrics(_train(tmp_path / f"from{at}", f"draft={draft}", f"run.resume={path}"), metrics)
-        assert capsys.readouterr().out.splitlines()[0] == (
-            f"resuming at step {at} of 7 from run.resume={path}; the same config"
-        )
+        assert caplog.messages[0] == (f"resuming at step {at} of 7 from run.resume={path}; the same config")
         _same_weights(torch.load(tmp_path / f"from{at}" / "checkpoints" / "step_7.pt", weights_only=True), final)
 
 
-def test_a_resume_may_lengthen_the_warm_start_and_the_run_and_says_so(whole, tmp_path, capsys):
-    """From step 2 of a 3-step warm start: a 4-step warm start and 5 loss steps continue as
-    the uninterrupted run with those, bitwise; the printed line names both changes."""
+def test_a_resume_may_lengthen_the_warm_start_and_the_run_and_says_so(whole, tmp_path, caplog):
+    """From step 2 of a 3-step warm start: a 4-step warm start in 9 steps continues as the
+    uninterrupted run with those, bitwise; the logged line names both changes."""
     out, _ = whole("none")
-    longer = ("run.sft_steps=4", "run.steps=5", "run.log_every=3")
+    longer = ("run.sft_steps=4", "run.steps=9", "run.log_every=3")
     want = _train(tmp_path / "longer", *longer)
     path = out / "checkpoints" / "step_2.pt"
-    capsys.readouterr()
+    caplog.clear()
+    caplog.set_level(logging.INFO)
     got = _train(tmp_path / "resumed", *longer, f"run.resume={path}")
-    assert capsys.readouterr().out.splitlines()[0] == (
+    assert caplog.messages[0] == (
         f"resuming at step 2 of 9 from run.resume={path}; changed since it was written: run.log_every 1 -> 3, "
-        "run.sft_steps 3 -> 4, run.steps 4 -> 5"
+        "run.sft_steps 3 -> 4, run.steps 7 -> 9"
     )
     _same_metrics(got, want)
     _same_weights(
@@ -190,7 +191,7 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
         f"run.resume={str(dflash)!r} was written by a run this config cannot continue: parallel.dp 1 -> 2, "
         "run.micro_batches 2 -> 1 (checkpoint -> this run); a resume may change only compile.*, packing.*, "
         "parallel.*, logprob.chunk_size, logprob.fused_linear, run.deterministic, run.validate_inputs, "
-        "run.log_every, run.save_every, run.keep_last, run.steps, run.sft_steps"
+        "run.log_every, run.loggers, run.save_every, run.keep_last, run.steps, run.sft_steps"
     )
 
 
@@ -216,7 +217,7 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
         (
             "run.sft_steps=3",
             2,
-            ["run.sft_steps=1", "run.steps=1"],
+            ["run.sft_steps=1", "run.steps=2"],
             "is at step 2 of a run with a warm start of 3 steps; run.sft_steps=1 would change the phase of steps it has "
             "trained (and the KL reference taken at the warm start's end): resume with run.sft_steps >= 2",
         ),
@@ -224,22 +225,19 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
             "run.sft_steps=3",
             7,
             [],
-            "is at step 7; this run ends at step 7 (3 warm-start steps + run.steps=4): nothing "
-            "to train — raise run.steps",
+            "is at step 7; this run ends at run.steps=7: nothing to train — raise run.steps",
         ),
         (
             "run.sft_steps=3",
             6,
-            ["run.steps=2"],
-            "is at step 6; this run ends at step 5 (3 warm-start steps + "
-            "run.steps=2): nothing to train — raise run.steps",
+            ["run.steps=5"],
+            "is at step 6; this run ends at run.steps=5: nothing to train — raise run.steps",
         ),
         (
             "run.sft_steps=0",
             3,
             ["run.sft_steps=0", "run.steps=3"],
-            "is at step 3; this run ends at step 3 (0 "
-            "warm-start steps + run.steps=3): nothing to train — raise run.steps",
+            "is at step 3; this run ends at run.steps=3: nothing to train — raise run.steps",
         ),
     ],
 )
@@ -374,7 +372,7 @@ def test_keep_last_deletes_older_checkpoints_once_the_new_one_is_in_place(tmp_pa
         return save_checkpoint(directory, run, step, history)
 
     monkeypatch.setattr(loop, "save_checkpoint", recording)
-    _train(tmp_path, "run.sft_steps=1", "run.steps=3", "run.save_every=1", "run.keep_last=2")
+    _train(tmp_path, "run.sft_steps=1", "run.steps=4", "run.save_every=1", "run.keep_last=2")
     assert present == [[], ["step_1.pt"], ["step_1.pt", "step_2.pt"], ["step_2.pt", "step_3.pt"]]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3.pt", "step_4.pt"]
 

@@ -115,9 +115,9 @@ def test_other_groups_compose():
         "data.prompts=4",
         "logprob.top_k=20",
         "optim.lr=1e-4",
-        "run.steps=3",
+        "run.steps=30",
     )
-    assert (cfg.compile.enabled, cfg.model.vocab_size, cfg.logprob.top_k, cfg.run.steps) == (False, 32000, 20, 3)
+    assert (cfg.compile.enabled, cfg.model.vocab_size, cfg.logprob.top_k, cfg.run.steps) == (False, 32000, 20, 30)
 
 
 class TestStartupErrors(TestCase):
@@ -421,8 +421,8 @@ def test_every_float_option_is_checked_in_float32(prefix, group, cls, field, val
 
 
 # chunk sizes: a chunk holds at most the rows it chunks, so a larger value allocates nothing more
-# (measured: 1e12 runs as one chunk); run.steps / run.sft_steps: bounded with run.seed below
-UNBOUNDED = {"chunk_size", "token_chunk_size", "steps", "sft_steps"}
+# (measured: 1e12 runs as one chunk); run.steps: bounded with run.seed below (run.sft_steps by run.steps)
+UNBOUNDED = {"chunk_size", "token_chunk_size", "steps"}
 INTS = [(p, g, c, f) for p, g, c, f in _fields(int) if f not in UNBOUNDED]
 
 
@@ -436,7 +436,7 @@ def test_every_size_has_an_upper_bound_that_names_the_key(prefix, group, cls, fi
 
 
 def test_the_sizes_without_a_bound_of_their_own():
-    """Chunk sizes above the micro-batch load (one chunk); the step counts are bounded by the
+    """Chunk sizes above the micro-batch load (one chunk); run.steps is bounded by the
     sampler's 64-bit seed with run.seed, and every int by int64."""
     assert all(refusal(g, c, f, 10**15) is None for _, g, c, f in _fields(int) if f in UNBOUNDED)
     assert (
@@ -555,7 +555,7 @@ class TestBounds(TestCase):
         )
         self.assertExpectedInline(
             error("run.log_every=1000"),
-            """run.log_every=1000 exceeds run.sft_steps + run.steps = 177: a larger value prints the last step's line only, as run.log_every=177 does""",
+            """run.log_every=1000 exceeds run.steps=177: a larger value logs the last step's line only, as run.log_every=177 does""",
         )
         self.assertExpectedInline(
             error("data.max_stride=65"),
@@ -580,11 +580,11 @@ class TestBounds(TestCase):
     def test_seed_and_steps_against_the_sampler(self):
         self.assertExpectedInline(
             error("run.seed=100000000000000"),
-            """run.seed=100000000000000 overflows the sampler's generator seed at step 1 of run.sft_steps + run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""",
+            """run.seed=100000000000000 overflows the sampler's generator seed at step 1 of run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""",
         )
         self.assertExpectedInline(
             error("run.seed=18446744073709"),
-            """run.seed=18446744073709 overflows the sampler's generator seed at step 1 of run.sft_steps + run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""",
+            """run.seed=18446744073709 overflows the sampler's generator seed at step 1 of run.steps (Overflow when unpacking long long): the seed of step s is run.seed × 1,000,003 + s, at most 64 bits""",
         )
 
     def test_cross_tokenizer_runs_at_tp_cp_1(self):

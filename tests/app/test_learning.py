@@ -27,7 +27,7 @@ SMALL = [
     "data.group_size=8",
     "compile.enabled=false",
     "run.sft_steps=20",
-    "run.steps=100",
+    "run.steps=120",
 ]
 
 

@@ -16,7 +16,7 @@ from compiled_loss.app.loop import train
 
 pytestmark = pytest.mark.slow  # full runner runs
 
-SMALL = [*TINY_TASK, "compile.backend=aot_eager", "run.sft_steps=1", "run.steps=6"]
+SMALL = [*TINY_TASK, "compile.backend=aot_eager", "run.sft_steps=1", "run.steps=7"]
 
 
 def _run(tmp_path, *overrides: str) -> tuple[dict, list[dict]]:

@@ -1,11 +1,12 @@
 """Metric files hold JSON: a non-finite metric (NaN, ±inf — e.g. EAGLE-3's 0/0 accuracy of
 a TTT step no token reaches) is written as null in `metrics.jsonl` and `summary.json`, the
-first time per key with a printed warning that names the key and the step; the summary the
+first time per key with a logged warning that names the key and the step; the summary the
 run returns is the one it wrote."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 from common import TINY_TASK
@@ -14,7 +15,7 @@ import compiled_loss.app.loop as loop
 from compiled_loss.app import compose_config
 from compiled_loss.app.loop import train
 
-SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=1", "run.steps=2"]
+SMALL = [*TINY_TASK, "compile.enabled=false", "run.sft_steps=1", "run.steps=3"]
 
 
 def _strict(text: str):
@@ -26,7 +27,7 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def test_non_finite_metrics_are_written_as_null_and_reported_once_per_key(tmp_path, monkeypatch, capsys):
+def test_non_finite_metrics_are_written_as_null_and_reported_once_per_key(tmp_path, monkeypatch, caplog):
     batch = loop.Run.batch
 
     def hostile(self, i, reward_shift=None):  # the loss's steps 2 and 3 report non-finite statistics
@@ -45,14 +46,10 @@ def test_non_finite_metrics_are_written_as_null_and_reported_once_per_key(tmp_pa
     assert (summary["first_reward"], summary["final_reward"]) == (None, None)  # means over steps with inf
     assert math.isfinite(summary["warm_start_reward"])
     assert returned == summary
-    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "warning: metrics.jsonl step 2: reward is inf, written as null (later non-finite reward values are not "
-        "reported)",
-        "warning: metrics.jsonl step 2: entropy is nan, written as null (later non-finite entropy values are not "
-        "reported)",
-        "warning: summary.json: first_reward is inf, written as null (later non-finite first_reward values are not "
-        "reported)",
-        "warning: summary.json: final_reward is inf, written as null (later non-finite final_reward values are not "
-        "reported)",
+        "metrics.jsonl step 2: reward is inf, written as null (later non-finite reward values are not reported)",
+        "metrics.jsonl step 2: entropy is nan, written as null (later non-finite entropy values are not reported)",
+        "summary.json: first_reward is inf, written as null (later non-finite first_reward values are not reported)",
+        "summary.json: final_reward is inf, written as null (later non-finite final_reward values are not reported)",
     ]

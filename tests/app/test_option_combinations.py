@@ -25,7 +25,7 @@ from compiled_loss.app.loop import train
 from compiled_loss.checks import ConfigError
 from compiled_loss.config import PackingMode
 
-SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=1", "run.sft_steps=1"]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=2", "run.sft_steps=1"]
 LOSSES = [
     "clipped_pg",
     "gspo",
@@ -100,7 +100,7 @@ def test_every_pair_of_options_that_loads_runs(grid, tmp_path):
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 summary = train(loaded[combo], tmp_path / str(i))
-            assert summary["steps"] == 1 and summary["sft_steps"] == (0 if combo[0] == "mse_value" else 1)
+            assert summary["steps"] == 2 and summary["sft_steps"] == (0 if combo[0] == "mse_value" else 1)
         except Exception as e:  # noqa: BLE001 - every failure is listed, with its combination
             failures.append(f"{dict(zip(AXES, combo))}: {type(e).__name__}: {e}")
     assert failures == []

@@ -1,11 +1,14 @@
-"""The run's own options — warm start, checkpoints, determinism, the sampled task and GRPO
-advantages — compose from Hydra and are validated naming the key."""
+"""The run's own options — the step count and its warm start, the metric loggers,
+checkpoints, determinism, the sampled task and GRPO advantages — compose from Hydra and are
+validated naming the key."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from compiled_loss.app import compose_config
+from compiled_loss.app import compose_config, store
 
 
 def error(*overrides: str) -> str:
@@ -18,15 +21,17 @@ def error(*overrides: str) -> str:
 
 def test_the_default_run_warm_starts_then_runs_grpo_on_its_own_samples():
     cfg = compose_config()
-    assert (cfg.loss.name, cfg.run.sft_steps, cfg.run.steps) == ("clipped_pg", 27, 150)
+    assert (cfg.loss.name, cfg.run.sft_steps, cfg.run.steps, cfg.run.loggers) == ("clipped_pg", 27, 177, ["jsonl"])
     assert (cfg.optim.sft_lr, cfg.optim.lr, cfg.data.prompts, cfg.data.group_size) == (3e-3, 5e-4, 8, 16)
     assert (cfg.data.use_leave_one_out_baseline, cfg.data.normalize_rewards) == (False, True)
     assert (cfg.run.save_every, cfg.run.resume, cfg.run.deterministic) == (0, None, False)
 
 
-def test_the_options_compose():
+def test_the_options_compose(monkeypatch):
+    monkeypatch.setattr(store, "check_installed", lambda loggers: None)  # whether or not the packages are here
     cfg = compose_config(
         "run.sft_steps=0",
+        "run.loggers=[jsonl,tensorboard,wandb]",
         "run.save_every=5",
         "run.resume=/tmp/step_5.pt",
         "run.deterministic=true",
@@ -41,6 +46,7 @@ def test_the_options_compose():
         "/tmp/step_5.pt",
         True,
     )
+    assert cfg.run.loggers == ["jsonl", "tensorboard", "wandb"]
     assert (cfg.optim.sft_lr, cfg.data.total_terms) == (1e-3, 12)
     assert (cfg.data.use_leave_one_out_baseline, cfg.data.normalize_rewards) == (True, False)
 
@@ -50,6 +56,11 @@ def test_the_options_compose():
     [
         ("run.sft_steps=-1", "run.sft_steps must be >= 0, got -1"),
         ("run.save_every=-2", "run.save_every must be >= 0, got -2"),
+        (
+            "run.loggers=[jsonl,tensorbord]",
+            "run.loggers=[jsonl,tensorbord]: unknown logger 'tensorbord'; choices: jsonl, tensorboard, wandb",
+        ),
+        ("run.loggers=[jsonl,jsonl]", "run.loggers=[jsonl,jsonl] names a logger twice"),
         ("optim.sft_lr=0", "optim.sft_lr must be > 0, got 0.0"),
         ("optim.sft_lr=nan", "optim.sft_lr must be finite, got nan"),
         ("data.total_terms=8", "data.total_terms (8) must be > data.prompt_terms_max (8)"),
@@ -68,4 +79,30 @@ def test_a_long_sampled_task_names_its_keys_when_positions_run_out():
     assert error("data.response_max=4", "data.total_terms=40", "model.max_positions=48") == (
         "model.max_positions=48 is shorter than the longest padded sequence the data can produce (55: "
         "data.prompt_terms_max + data.total_terms - data.prompt_terms_min + 2 + packing.pad_to_multiple)"
+    )
+
+
+def test_run_steps_counts_every_optimizer_step_the_warm_start_included():
+    """The warm start is the first run.sft_steps of run.steps; a run whose warm start would
+    leave its loss no step is refused, saying how the steps count. A value head has no warm
+    start: all its steps train the loss."""
+    assert error("run.steps=3") == (
+        "run.sft_steps=27 leaves no step of run.steps=3 to loss=clipped_pg: run.steps counts every optimizer step, "
+        "the warm start's included; lower run.sft_steps below 3 (0: no warm start) or raise run.steps above 27"
+    )
+    assert error("run.steps=27").startswith("run.sft_steps=27 leaves no step of run.steps=27 to loss=clipped_pg")
+    assert compose_config("run.steps=28").run.steps == 28
+    cfg = compose_config("loss=mse_value", "run.steps=3")
+    assert (cfg.run.steps, cfg.run.warm_start_steps("value"), cfg.run.warm_start_steps("policy_gradient")) == (3, 0, 27)
+    assert error("run.steps=3", "run.log_every=4") == (
+        "run.log_every=4 exceeds run.steps=3: a larger value logs the last step's line only, as run.log_every=3 does"
+    )
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_a_logger_whose_package_is_missing_is_refused_when_the_config_loads(logger, monkeypatch):
+    monkeypatch.setitem(sys.modules, logger, None)  # what importlib finds for a package that is not installed
+    assert error(f"run.loggers=[jsonl,{logger}]") == (
+        f"run.loggers=[jsonl,{logger}]: the {logger} logger needs the {logger} package, which is not installed: "
+        f"pip install 'compiled_loss[{logger}]'"
     )

@@ -15,7 +15,7 @@ from compiled_loss.app.run import main
 
 pytestmark = pytest.mark.slow  # a Hydra multirun of several jobs
 
-SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.backend=eager", "run.steps=1", "run.sft_steps=1"]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.backend=eager", "run.steps=2", "run.sft_steps=1"]
 
 
 def test_every_job_of_a_sweep_in_one_process_finishes(tmp_path, monkeypatch):
@@ -29,9 +29,9 @@ def test_every_job_of_a_sweep_in_one_process_finishes(tmp_path, monkeypatch):
     main()
     summaries = [json.loads((tmp_path / str(job) / "summary.json").read_text()) for job in range(4)]
     assert [(s["loss"], s["packing"], s["steps"], s["compile"]) for s in summaries] == [
-        ("clipped_pg", "none", 1, "eager"),
-        ("clipped_pg", "fused", 1, "eager"),
-        ("nll", "none", 1, "eager"),
-        ("nll", "fused", 1, "eager"),
+        ("clipped_pg", "none", 2, "eager"),
+        ("clipped_pg", "fused", 2, "eager"),
+        ("nll", "none", 2, "eager"),
+        ("nll", "fused", 2, "eager"),
     ]
     assert all(s["compile_problems"] == [] for s in summaries)

@@ -19,7 +19,7 @@ from compiled_loss.checks import ConfigError
 from compiled_loss.draft.dflash import DFlashConfig
 from compiled_loss.draft.eagle3 import Eagle3Config
 
-SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=1", "run.sft_steps=1"]
+SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=2", "run.sft_steps=1"]
 
 
 @pytest.mark.parametrize(
