@@ -34,7 +34,7 @@ from compiled_loss.app.rollouts import Rollouts
 from compiled_loss.config import Config, build_draft_runtime, loss_family
 from compiled_loss.config.losses import NllLossOption
 from compiled_loss.demo import cross_tokenizer
-from compiled_loss.demo.hf import policy_model
+from compiled_loss.demo.hf import Policy, policy_model
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.draft import DraftRuntimeBase
 from compiled_loss.interfaces import LossFunction
@@ -116,8 +116,8 @@ class Run:
     cfg: Config
     groups: ParallelGroups
     family: str
-    policy: TinyLM
-    reference: TinyLM
+    policy: Policy
+    reference: Policy
     drafter: DraftRuntimeBase | None
     loss_fn: LossFunction
     teachers: list[TinyLM] | None  # cross-tokenizer distillation's teachers
@@ -156,8 +156,8 @@ class Models:
     frozen teacher of `distillation` / `opd_full`, cross-tokenizer distillation's digit
     teachers and the co-trained drafter (None where the run has none)."""
 
-    policy: TinyLM
-    reference: TinyLM
+    policy: Policy
+    reference: Policy
     teacher: TinyLM | None
     teachers: list[TinyLM] | None
     drafter: DraftRuntimeBase | None

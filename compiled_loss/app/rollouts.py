@@ -43,6 +43,7 @@ from compiled_loss.app.batches import (
 from compiled_loss.app.sampler import Sampler, Samples, sampling_uniforms
 from compiled_loss.config import Config, Family
 from compiled_loss.demo.data import Prompts, correct_batch, sampled_batch, score, task_prompts
+from compiled_loss.demo.hf import Policy
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.train.parallel import ParallelGroups, all_reduce_host
 
@@ -64,8 +65,8 @@ class Rollouts:
         groups: ParallelGroups,
         rng: random.Random,
         *,
-        policy: TinyLM,
-        reference: TinyLM,
+        policy: Policy,
+        reference: Policy,
         teacher: TinyLM | None = None,
     ) -> None:
         self.cfg, self.family, self.groups, self.rng = cfg, family, groups, rng

@@ -34,7 +34,7 @@ import torch
 
 from compiled_loss.config import Config
 from compiled_loss.demo.data import EOS, PAD, Prompts, prompt_width, response_width
-from compiled_loss.demo.model import TinyLM
+from compiled_loss.demo.hf import Policy
 from compiled_loss.train import CompileRecorder, compile_loss
 from compiled_loss.vocab import sampling_threshold
 
@@ -69,14 +69,14 @@ def _pick(
     return torch.where(alive, tokens, PAD), torch.where(alive, picked, 0.0), alive & (tokens != EOS)
 
 
-def _first(model: TinyLM, input_ids: Tensor, lengths: Tensor, uniforms: Tensor, *, cache_len: int, pick):
+def _first(model: Policy, input_ids: Tensor, lengths: Tensor, uniforms: Tensor, *, cache_len: int, pick):
     """Prefill the prompts and draw each row's first response token."""
     logits, cache = model.prefill(input_ids, lengths, cache_len)
     tokens, logprobs, alive = pick(logits, uniforms, alive=torch.ones_like(lengths, dtype=torch.bool))
     return tokens, logprobs, alive, lengths, cache
 
 
-def _next(model: TinyLM, tokens: Tensor, positions: Tensor, alive: Tensor, cache: Tensor, uniforms: Tensor, *, pick):
+def _next(model: Policy, tokens: Tensor, positions: Tensor, alive: Tensor, cache: Tensor, uniforms: Tensor, *, pick):
     """Feed each row's last token (at `positions`) and draw the next."""
     logits, cache = model.decode(tokens, positions, cache)
     tokens, logprobs, alive = pick(logits, uniforms, alive=alive)
@@ -97,7 +97,7 @@ class Sampler:
     """`sampler(prompts, uniforms) -> Samples` for `rows` prompts of the task (see the module
     docstring); compiled as the run's `compile` group says (`recorder` reports it)."""
 
-    def __init__(self, cfg: Config, model: TinyLM, rows: int) -> None:
+    def __init__(self, cfg: Config, model: Policy, rows: int) -> None:
         self.model, self.rows = model, rows
         self.prompt_len, self.response_len = prompt_width(cfg.data), response_width(cfg.data)
         lp = cfg.logprob

@@ -208,9 +208,13 @@ class HFCausalLM(nn.Module):
         return F.linear(hidden[:, 0], *self._head(full_vocab=True)), torch.where(write, new, cache)
 
 
+Policy = TinyLM | HFCausalLM
+"""What the runner trains: `forward`, `prefill` and `decode` as `TinyLM` defines them."""
+
+
 def policy_model(
     cfg: ModelConfig, *, value_head: bool = False, draft: str = "none", vocab_shard: tuple[int, int] = (0, 1)
-) -> nn.Module:
+) -> Policy:
     """The run's policy: `TinyLM` (`model.architecture=tiny`; a value head for `value_head`)
     or `HFCausalLM` (`model.architecture=hf`, which refuses a value head and a drafter:
     `draft` is the run's `draft` option)."""
