@@ -1,19 +1,21 @@
 """`compiled-loss-audit` (also `python tools/audit.py`): the graph-break / recompile gate.
 
-Sweeps configurations — by default a representative subset (every loss, packing mode,
-draft runtime, dtype and backend at least once, a few minutes on 2 CPU cores); `--full` or a
-`loss=` / `packing=` / `draft=` / `dtype=` choice sweeps the matrix of those — and for
-each drives (1) the compiled packing wrapper over `batches` micro-batches
-drawn from a realistic RL length distribution (once per loss, packing and dtype: it does
-not read the drafter) and (2) the compiled training step — with its co-trained drafter —
-over `steps` steps. For each it reports graphs, graph breaks (reason, file:line), in-graph host
+Sweeps configurations — by default a covering set (every loss, packing mode, drafter, LM
+head, metrics level and dtype at least once, on aot_eager); `--full` or a `loss=` /
+`packing=` / `draft=` / `dtype=` choice sweeps the matrix of those — and for each drives
+(1) the compiled packing wrapper over `batches` micro-batches drawn from a realistic RL
+length distribution (once per loss, packing, dtype, head, metrics level and backend: it
+does not read the drafter) and (2) the compiled training step — with its co-trained
+drafter — over `steps` steps. For each it reports graphs, graph breaks, in-graph host
 syncs, frames that fell back to eager, compiles and recompiles (with the failed guard),
-buckets hit, compile seconds and warm call time — as a terminal table, `audit.json` and
-`audit.md`. It exits non-zero when any configuration has a break, a sync or an eager
-fallback, compiles more often than it hit distinct buckets, or recompiles on a bucket it
-had already compiled.
+each problem at its `path:line` and source line, plus buckets hit, compile seconds and
+warm call time — as a terminal table, `audit.json` and `audit.md`. It exits non-zero when
+any configuration has a break (under fullgraph, the error Dynamo raises), a sync or an
+eager fallback, compiles more often than it hit distinct buckets, or recompiles on a
+bucket it had already compiled.
 
-    compiled-loss-audit                                   # the representative subset
+    compiled-loss-audit                                   # the covering set
+    compiled-loss-audit backend=inductor                  # the covering set on Inductor
     compiled-loss-audit --full                            # every loss × packing × draft × dtype
     compiled-loss-audit loss=clipped_pg,dpo packing=fused dtype=bf16 batches=50
     compiled-loss-audit head=linear loss=clipped_pg,distillation   # the fused LM head (LinearLogits)
@@ -24,8 +26,9 @@ had already compiled.
 With `tp=`, `cp=`, `dp=` (under torchrun, their product ranks) every rank drives the
 compiled training step with its process groups, and rank 0 reports every rank's rows.
 
-`--target` audits any callable: the `--inputs` factory returns an iterable of
-`(args, kwargs)` samples; a bucket is the samples' tensor shapes and dtypes.
+`--target` audits any callable (its module is imported with the current directory first
+on the path): the `--inputs` factory returns an iterable of `(args, kwargs)` samples; a
+bucket is the samples' tensor shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -50,29 +54,84 @@ from compiled_loss.train.recorder import CompileRecorder, CompileReport
 
 Tensor = torch.Tensor
 
-LOSSES = ("clipped_pg", "gspo", "cispo", "reinforce", "opd_full", "nll", "dpo", "distillation", "mse_value")
+LOSSES = (
+    "clipped_pg",
+    "gspo",
+    "cispo",
+    "reinforce",
+    "opd_full",
+    "nll",
+    "dpo",
+    "mpo",
+    "distillation",
+    "cross_tokenizer",
+    "mse_value",
+)
 _POLICY_GRADIENT = ("clipped_pg", "gspo", "cispo", "reinforce", "opd_full")  # the losses with a metrics_level
+_LOGITS_ONLY = ("mse_value", "opd_full", "cross_tokenizer")  # a value head, a teacher's full logits: no fused head
 PACKINGS = ("none", "per_sequence", "fused")
 DRAFTS = ("none", "eagle3", "dflash")
 DTYPES = ("fp32", "bf16")
-
-# The default run, as (loss, packing, draft, dtype, backend): every loss, packing mode, draft
-# runtime, dtype and backend at least once.
-SUBSET = (
-    ("clipped_pg", "fused", "none", "bf16", "inductor"),
-    ("clipped_pg", "per_sequence", "none", "fp32", "aot_eager"),
-    ("gspo", "fused", "none", "fp32", "aot_eager"),
-    ("cispo", "none", "none", "bf16", "aot_eager"),
-    ("reinforce", "per_sequence", "none", "fp32", "aot_eager"),
-    ("nll", "fused", "none", "bf16", "aot_eager"),
-    ("dpo", "per_sequence", "none", "fp32", "aot_eager"),
-    ("distillation", "fused", "none", "fp32", "aot_eager"),
-    ("opd_full", "per_sequence", "none", "fp32", "aot_eager"),
-    ("mse_value", "none", "none", "fp32", "aot_eager"),
-    ("nll", "per_sequence", "eagle3", "bf16", "aot_eager"),
-    ("clipped_pg", "none", "dflash", "fp32", "aot_eager"),
-)
+HEADS = ("logits", "linear")
+METRICS = ("full", "minimal")
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """One audited configuration: a loss, its packing mode, drafter, dtype and backend, the LM
+    head (`linear`: the loss from hidden states, `LinearLogits`) and the policy-gradient
+    losses' metrics level."""
+
+    loss: str
+    packing: str
+    draft: str
+    dtype: str
+    backend: str
+    head: str = "logits"
+    metrics: str = "full"
+
+    @property
+    def label(self) -> str:
+        head = "/linear" if self.head == "linear" else ""
+        metrics = "/minimal" if self.metrics == "minimal" else ""
+        return f"{self.loss}/{self.packing}/{self.draft}/{self.dtype}{head}{metrics}"
+
+    def overrides(self) -> list[str]:
+        """The run config overrides of the head and the metrics level."""
+        head = ["logprob.fused_linear=true"] if self.head == "linear" else []
+        return head + (["loss.metrics_level=minimal"] if self.metrics == "minimal" else [])
+
+
+def _configuration(
+    loss: str, packing: str, draft: str, dtype: str, backend: str, head: str, metrics: str
+) -> Configuration | None:
+    """The configuration, or None where the run refuses it: a value head takes no drafter, the
+    fused head no drafter and no loss that reads logits (`_LOGITS_ONLY`). The metrics level
+    is the policy-gradient losses' (others audit as `full`)."""
+    if (loss == "mse_value" and draft != "none") or (head == "linear" and (loss in _LOGITS_ONLY or draft != "none")):
+        return None
+    return Configuration(loss, packing, draft, dtype, backend, head, metrics if loss in _POLICY_GRADIENT else "full")
+
+
+# The default run: every loss, packing mode, drafter, head, metrics level and dtype at least
+# once (a covering set, not their product), on aot_eager (what Dynamo traces, guards and
+# captures does not depend on the backend; `backend=inductor` runs the set on Inductor).
+DEFAULT = (
+    Configuration("clipped_pg", "fused", "none", "bf16", "aot_eager"),
+    Configuration("gspo", "per_sequence", "none", "fp32", "aot_eager", "linear", "minimal"),
+    Configuration("cispo", "none", "none", "bf16", "aot_eager", "logits", "minimal"),
+    Configuration("reinforce", "none", "eagle3", "fp32", "aot_eager"),
+    Configuration("opd_full", "per_sequence", "none", "fp32", "aot_eager"),
+    Configuration("nll", "fused", "none", "fp32", "aot_eager", "linear"),
+    Configuration("dpo", "none", "dflash", "fp32", "aot_eager"),
+    Configuration("mpo", "fused", "none", "bf16", "aot_eager"),
+    Configuration("distillation", "per_sequence", "none", "fp32", "aot_eager", "linear"),
+    Configuration("cross_tokenizer", "fused", "none", "fp32", "aot_eager"),
+    Configuration("mse_value", "none", "none", "fp32", "aot_eager"),
+)
+DEFAULT_BATCHES, DEFAULT_STEPS = 4, 2
+FULL_BATCHES, FULL_STEPS = 200, 20
 
 # Small model / data sizes: what is audited is tracing, not speed.
 _SIZES = [
@@ -88,42 +147,60 @@ _SIZES = [
     "packing.rows=4",
     "packing.width=64",
     "run.micro_batches=2",
+    "run.sft_steps=0",  # the audit drives the loss's own step
 ]
 
 
 @dataclasses.dataclass
 class Drive:
-    """One audited callable: its compile report plus what the audit tracked per call."""
+    """One audited callable of a configuration: its compile report plus what the audit tracked
+    per call — the buckets, the recompiles on a bucket already compiled and what Dynamo
+    raised (`error`: under fullgraph a graph break raises)."""
 
     name: str
+    configuration: str
     report: CompileReport
     buckets: int = 0
     warm_ms: float | None = None
     recompiled_seen_buckets: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
 
     def failures(self) -> list[str]:
-        out = self.report.problems()
-        if self.report.compiles > self.buckets:
+        out = self.report.problems() + ([self.error] if self.error else [])
+        too_many = self.report.compiles > self.buckets
+        if too_many:
             out.append(f"{self.report.compiles} compiles for {self.buckets} distinct buckets")
-        out += [f"recompiled an already-compiled bucket {b}" for b in self.recompiled_seen_buckets]
+        out += [f"recompiled the already-compiled bucket {b}" for b in self.recompiled_seen_buckets]
+        if too_many or self.recompiled_seen_buckets:
+            out += [f"recompile {f.compile_id} of {f.frame}: {f.recompile_reason}" for f in self.report.recompiles]
         return out
 
     def row(self) -> dict[str, Any]:
         r = self.report
         return {
             "name": self.name,
+            "configuration": self.configuration,
             "calls": r.calls,
             "graphs": len(r.graphs),
             "graph_breaks": [f"{g.break_location}: {g.break_reason}" for g in r.graph_breaks],
-            "syncs": [f"{g.compile_id}: {g.sync_ops}" for g in r.graphs if g.sync_ops],
+            "error": self.error,
+            "syncs": [f"{g.compile_id}: {'; '.join(g.sync_ops)}" for g in r.graphs if g.sync_ops],
             "eager_fallbacks": [f"{f.frame} @ {f.fail_location}: {f.fail_reason}" for f in r.eager_fallbacks],
             "compiles": r.compiles,
-            "recompiles": [f"{f.compile_id}: {f.recompile_reason}" for f in r.recompiles],
+            "recompiles": [f"{f.compile_id} of {f.frame}: {f.recompile_reason}" for f in r.recompiles],
             "buckets": self.buckets,
             "compile_s": round(r.compile_seconds, 2),
             "warm_ms": None if self.warm_ms is None else round(self.warm_ms, 3),
             "failures": self.failures(),
         }
+
+
+def _dynamo_error(exc: Exception) -> str:
+    """What Dynamo raised, at the user line it stopped on (else the innermost frame of the
+    traceback): `Type at path:line `source`: first line of the message`."""
+    frame = (getattr(exc, "real_stack", None) or traceback.extract_tb(exc.__traceback__))[-1]
+    reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__} at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`: {reason}"
 
 
 def drive(
@@ -134,21 +211,28 @@ def drive(
     fullgraph: bool = True,
     dynamic: bool | None = None,
     after: Callable[[Any], None] | None = None,
+    configuration: str | None = None,
 ) -> Drive:
     """Compile `fn` with a recorder and call it on `(bucket, args, kwargs)` samples;
-    `after(output)` runs on each result (e.g. the backward)."""
+    `after(output)` runs on each result (e.g. the backward). The first error Dynamo raises
+    ends the drive and is its `error`."""
     torch._dynamo.reset()
     recorder = CompileRecorder(backend, name)
     compiled = recorder.compile(fn, fullgraph=fullgraph, dynamic=dynamic)
-    result = Drive(name, recorder.report)
+    result = Drive(name, configuration or name, recorder.report)
     seen: set[Any] = set()
     warm: list[float] = []
     for bucket, args, kwargs in samples:
         before = recorder.report.compiles
         start = time.perf_counter()
-        output = compiled(*args, **kwargs)
-        if after is not None:
-            after(output)
+        try:
+            output = compiled(*args, **kwargs)
+            if after is not None:
+                after(output)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            result.error = _dynamo_error(exc)
+            seen.add(bucket)
+            break
         elapsed = time.perf_counter() - start
         if recorder.report.compiles > before and bucket in seen:
             result.recompiled_seen_buckets.append(str(bucket))
@@ -163,33 +247,43 @@ def drive(
 # ---- the project's own matrix ---------------------------------------------------------
 
 
-def _variant(loss: str, opts: dict[str, list[str]]) -> tuple[list[str], str]:
-    """The config overrides and label suffix of the `head=` / `metrics=` choices for `loss`."""
-    overrides, suffix = [], ""
-    if opts.get("head") == ["linear"]:
-        overrides, suffix = ["logprob.fused_linear=true"], "/linear"
-    if opts.get("metrics") == ["minimal"] and loss in _POLICY_GRADIENT:
-        overrides, suffix = overrides + ["loss.metrics_level=minimal"], suffix + "/minimal"
-    return overrides, suffix
-
-
-def _config(
-    loss: str, packing: str, draft: str, dtype: str, backend: str, steps: int, sizes=(1, 1, 1), variant: list[str] = ()
-):
+def _config(c: Configuration, steps: int, sizes: tuple[int, int, int] = (1, 1, 1)):
     from compiled_loss.app import compose_config
 
     overrides = [
-        f"loss={loss}",
-        f"packing={packing}",
-        f"draft={draft}",
-        f"compile.backend={backend}",
-        f"model.dtype={'bfloat16' if dtype == 'bf16' else 'float32'}",
+        f"loss={c.loss}",
+        f"packing={c.packing}",
+        f"draft={c.draft}",
+        f"compile.backend={c.backend}",
+        f"model.dtype={'bfloat16' if c.dtype == 'bf16' else 'float32'}",
         f"run.steps={steps}",
         *_SIZES,
         *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes)),
-        *variant,
+        *c.overrides(),
     ]
     return compose_config(*overrides)
+
+
+def _loss_fn(cfg):
+    """The run's loss object (cross-tokenizer distillation: with the demo teachers' projections)."""
+    from compiled_loss.config import loss_family
+    from compiled_loss.demo import cross_tokenizer
+
+    if loss_family(cfg.loss) == "cross_tokenizer":
+        return cross_tokenizer.build_cross_tokenizer_loss(cfg)
+    return cfg.loss_fn
+
+
+def _annotate(batch: dict[str, Tensor], cfg, loss_fn, teachers) -> dict[str, Tensor]:
+    """`batch` (with `input_lengths`) plus what the run's driver adds for its loss: MPO's
+    running reward shift, cross-tokenizer distillation's teacher logits and alignments."""
+    from compiled_loss.app.batches import annotate_cross_tokenizer
+
+    if teachers is not None:
+        batch = annotate_cross_tokenizer(batch, loss_fn, teachers, cfg)
+    if cfg.loss.name == "mpo":
+        batch = {**batch, "reward_shift": torch.full((batch["input_ids"].shape[0],), cfg.loss.reward_shift)}
+    return batch
 
 
 def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
@@ -198,6 +292,7 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
     LM head, as `LinearLogits`)."""
     from compiled_loss.app.batches import sample_batch
     from compiled_loss.config import PackingMode, loss_family
+    from compiled_loss.demo import cross_tokenizer
     from compiled_loss.inputs import Preparation, PrepareOptions
     from compiled_loss.interfaces import InputSpec
     from compiled_loss.packing import PackedLayout, pad_to_bucket, round_to_bucket
@@ -205,9 +300,10 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
     from compiled_loss.vocab import LinearLogits
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    loss_fn = cfg.loss_fn
+    loss_fn = _loss_fn(cfg)
     prepare = Preparation(loss_fn, InputSpec.of(loss_fn), PrepareOptions())
     family = loss_family(cfg.loss)
+    teachers = cross_tokenizer.teacher_models(cfg) if family == "cross_tokenizer" else None
     mode, grid = cfg.packing.mode, cfg.packing.grid()
     vocab = 1 if family == "value" else cfg.model.vocab_size
 
@@ -219,6 +315,7 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
 
     for _ in range(batches):
         batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo")
+        batch = _annotate(batch, cfg, loss_fn, teachers)
         lengths = batch.pop("input_lengths").tolist()  # host
         data = {**batch, **_random_model_outputs(batch, cfg, gen)}
         rows = len(lengths)
@@ -273,9 +370,10 @@ def _wrapper_call(logits, data, prepare, layout, per_sequence: bool = False):
     )
 
 
-def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
+def _audit_step(cfg, name: str, configuration: str, seed: int, groups=None) -> list[Drive]:
     """Drive the compiled training step (model forward + loss + backward + optimizer); with
-    parallel `groups` also the model, which then compiles apart (DDP runs around it)."""
+    parallel `groups` also the model, which then compiles apart (DDP runs around it). The
+    first error Dynamo raises ends the drive and is the step's `error`."""
     from compiled_loss.app.batches import replica_rows, rollout, sample_batch
     from compiled_loss.app.loop import build_models
     from compiled_loss.config import loss_family
@@ -289,9 +387,16 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
     rng = random.Random(seed)
     family = loss_family(cfg.loss)
     models = build_models(cfg, groups)  # the run's models and drafter, as `python -m compiled_loss.run` builds them
-    step = build_train_step(cfg, models.policy, torch.optim.AdamW(models.trained(), lr=1e-3), groups, models.drafter)
+    step = build_train_step(
+        cfg,
+        models.policy,
+        torch.optim.AdamW(models.trained(), lr=1e-3),
+        groups,
+        models.drafter,
+        loss_fn=_loss_fn(cfg),
+    )
     recorders = [(name, step.recorder)] + ([(f"{name} model", step.model_recorder)] if step.model_recorder else [])
-    results = [Drive(label, recorder.report) for label, recorder in recorders]
+    results = [Drive(label, configuration, recorder.report) for label, recorder in recorders]
     warm: list[float] = []
     for i in range(cfg.run.steps):
         batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
@@ -303,9 +408,14 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
             teacher=models.teacher,
             topk=cfg.data.teacher_topk,
         )
+        batch = _annotate(batch, cfg, step.loss_fn, models.teachers)
         seen = set(step.buckets)
         before = [r.report.compiles for r in results]
-        outcome = step(batch)
+        try:
+            outcome = step(batch)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            results[0].error = _dynamo_error(exc)
+            break
         new = step.buckets - seen
         for result, count in zip(results, before):
             if result.report.compiles > count + len(new):
@@ -318,66 +428,60 @@ def _audit_step(cfg, name: str, seed: int, groups=None) -> list[Drive]:
     return results
 
 
-def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[tuple[str, ...]], int, int]:
-    """The (loss, packing, draft, dtype, backend) rows to audit, and the default batches and
-    steps: the subset (50, 5), or — `--full` or any matrix choice — the matrix (200, 20).
-    `head=linear` keeps the rows the fused LM head serves (no value head, no drafter)."""
+def configurations(opts: dict[str, list[str]], full: bool) -> tuple[list[Configuration], int, int]:
+    """The configurations to audit, and the default batches and steps: the covering set
+    `DEFAULT`, or — `--full` or any `loss=` / `packing=` / `draft=` / `dtype=` choice — the
+    matrix of those (on `inductor`). `backend=`, `head=` and `metrics=` apply to every
+    configuration; those the run refuses (see `_configuration`) are left out."""
     dims = ("loss", "packing", "draft", "dtype")
-    backend = opts.get("backend", [None])[0]
     if not full and not any(d in opts for d in dims):
-        rows, batches, steps = [row[:4] + (backend or row[4],) for row in SUBSET], 50, 5
+        rows, batches, steps = list(DEFAULT), DEFAULT_BATCHES, DEFAULT_STEPS
     else:
         choices = [opts.get(d, list(every)) for d, every in zip(dims, (LOSSES, PACKINGS, DRAFTS, DTYPES))]
-        # a drafter reads the policy's logits: the value loss trains without one
-        rows = [
-            row + (backend or "inductor",)
-            for row in itertools.product(*choices)
-            if row[0] != "mse_value" or row[2] == "none"
-        ]
-        batches, steps = 200, 20
-    if opts.get("head") == ["linear"]:  # the fused LM head: no value head, OPD or drafter (they read the logits)
-        rows = [row for row in rows if row[0] not in ("mse_value", "opd_full") and row[2] == "none"]
-    if not rows:
+        rows = [Configuration(*row, "inductor") for row in itertools.product(*choices)]
+        batches, steps = FULL_BATCHES, FULL_STEPS
+    chosen = {key: opts[key][0] for key in ("backend", "head", "metrics") if key in opts}
+    found = (_configuration(**{**dataclasses.asdict(c), **chosen}) for c in rows)
+    configs = list(dict.fromkeys(c for c in found if c is not None))
+    if not configs:
         raise SystemExit(
-            "no configuration to audit: loss=mse_value takes no drafter and no head=linear, and "
-            "head=linear takes no drafter"
+            "no configuration to audit: loss=mse_value takes no drafter, head=linear takes no drafter and "
+            f"none of {', '.join(f'loss={name}' for name in _LOGITS_ONLY)}"
         )
-    return rows, batches, steps
+    return configs, batches, steps
 
 
-def audit_matrix(
-    rows: list[tuple[str, ...]], batches: int, steps: int, opts: dict[str, list[str]] | None = None
-) -> list[Drive]:
-    drives = []
-    for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
-        variant, suffix = _variant(loss, opts or {})
-        label = f"{loss}/{packing}/{draft}/{dtype}{suffix}"
-        print(f"[{i}/{len(rows)}] {label} ({backend})", flush=True)
-        cfg = _config(loss, packing, draft, dtype, backend, steps, variant=variant)
+def audit_matrix(configs: list[Configuration], batches: int, steps: int) -> list[Drive]:
+    """Drive every configuration's training step, and its packing wrapper once per wrapper
+    configuration (the wrapper does not read the drafter)."""
+    drives: list[Drive] = []
+    wrapped: set[Configuration] = set()
+    for i, c in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {c.label} ({c.backend})", flush=True)
+        cfg = _config(c, steps)
         found = []
-        if draft == "none":  # the wrapper does not read the drafter: audited once per loss / packing / dtype
-            samples = _wrapper_samples(cfg, _TORCH_DTYPES[dtype], batches, seed=len(drives))
+        wrapper = dataclasses.replace(c, draft="none")
+        if wrapper not in wrapped:
+            wrapped.add(wrapper)
             found.append(
                 drive(
-                    f"{label} wrapper",
+                    f"{c.label} wrapper",
                     _wrapper_call,
-                    samples,
-                    backend,
+                    _wrapper_samples(cfg, _TORCH_DTYPES[c.dtype], batches, seed=len(drives)),
+                    c.backend,
                     dynamic=cfg.compile.dynamic,
                     after=lambda out: out[0].backward(),
+                    configuration=c.label,
                 )
             )
-        if steps:
-            found += _audit_step(cfg, f"{label} step", seed=len(drives))
+        found += _audit_step(cfg, f"{c.label} step", c.label, seed=len(drives))
         for d in found:
             print(_line(d), flush=True)
         drives += found
     return drives
 
 
-def audit_distributed(
-    rows: list[tuple[str, ...]], steps: int, sizes: tuple[int, int, int], opts: dict[str, list[str]] | None = None
-) -> list[Drive]:
+def audit_distributed(configs: list[Configuration], steps: int, sizes: tuple[int, int, int]) -> list[Drive]:
     """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp)
     groups; every rank returns every rank's drives (the step's loss graph, and the model,
     which compiles apart around DDP), labelled with their rank."""
@@ -389,13 +493,11 @@ def audit_distributed(
     tp, cp, dp = sizes
     groups = init_parallel(ParallelConfig(tp=tp, cp=cp, dp=dp))
     mine: list[Drive] = []
-    for i, (loss, packing, draft, dtype, backend) in enumerate(rows, 1):
-        variant, suffix = _variant(loss, opts or {})
-        label = f"{loss}/{packing}/{draft}/{dtype}{suffix} tp{tp}cp{cp}dp{dp}"
+    for i, c in enumerate(configs, 1):
+        label = f"{c.label} tp{tp}cp{cp}dp{dp}"
         if groups.rank == 0:
-            print(f"[{i}/{len(rows)}] {label} ({backend}, {tp * cp * dp} ranks)", flush=True)
-        cfg = _config(loss, packing, draft, dtype, backend, steps, sizes, variant)
-        mine += _audit_step(cfg, f"rank {groups.rank} {label} step", seed=i, groups=groups)
+            print(f"[{i}/{len(configs)}] {label} ({c.backend}, {tp * cp * dp} ranks)", flush=True)
+        mine += _audit_step(_config(c, steps, sizes), f"rank {groups.rank} {label} step", label, seed=i, groups=groups)
     gathered: list[Any] = [None] * groups.rank_count
     dist.all_gather_object(gathered, mine)
     return [d for drives in gathered for d in drives]
@@ -404,11 +506,22 @@ def audit_distributed(
 # ---- user targets ---------------------------------------------------------------------
 
 
-def _load(spec: str) -> Any:
+def _load(option: str, spec: str) -> Any:
+    """The object `spec` (`package.module:name`) of the command-line option `option` names."""
     module, _, attr = spec.partition(":")
-    if not attr:
-        raise SystemExit(f"expected 'package.module:name', got {spec!r}")
-    return getattr(importlib.import_module(module), attr)
+    if not module or not attr:
+        raise SystemExit(f"{option} {spec}: expected package.module:name (e.g. mypkg.losses:my_loss)")
+    try:
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module == exc.name or module.startswith(f"{exc.name}.")):
+            raise  # a module the target itself imports
+        raise SystemExit(
+            f"{option} {spec}: no module named {exc.name!r} in the current directory ({os.getcwd()}) or on sys.path"
+        ) from None
+    if not hasattr(found, attr):
+        raise SystemExit(f"{option} {spec}: module {module!r} ({found.__file__}) has no attribute {attr!r}")
+    return getattr(found, attr)
 
 
 def _bucket_of(value: Any) -> Any:
@@ -423,7 +536,7 @@ def _bucket_of(value: Any) -> Any:
 
 
 def audit_target(target: str, inputs: str, backend: str, fullgraph: bool) -> Drive:
-    fn, factory = _load(target), _load(inputs)
+    fn, factory = _load("--target", target), _load("--inputs", inputs)
     samples = ((_bucket_of((args, kwargs)), args, kwargs) for args, kwargs in factory())
     return drive(target, fn, samples, backend, fullgraph=fullgraph)
 
@@ -431,14 +544,17 @@ def audit_target(target: str, inputs: str, backend: str, fullgraph: bool) -> Dri
 # ---- reporting ------------------------------------------------------------------------
 
 
+def _status(d: Drive) -> str:
+    return "ok" if not d.failures() else "FAIL"
+
+
 def _line(d: Drive) -> str:
     r = d.row()
-    status = "ok" if not r["failures"] else "FAIL"
     warm = "-" if r["warm_ms"] is None else f"{r['warm_ms']:.2f}"
     return (
         f"{r['name']:<44} {r['calls']:>5} {r['graphs']:>6} {len(r['graph_breaks']):>6} {len(r['syncs']):>5} "
         f"{len(r['eager_fallbacks']):>6} {r['compiles']:>8} {len(r['recompiles']):>10} {r['buckets']:>7} "
-        f"{r['compile_s']:>9.2f} {warm:>9}  {status}"
+        f"{r['compile_s']:>9.2f} {warm:>9}  {_status(d)}"
     )
 
 
@@ -448,9 +564,18 @@ HEADER = (
 )
 
 
+def summary(drives: list[Drive]) -> str:
+    """`clean/total configurations clean`: a configuration is clean when all its drives are."""
+    configs = list(dict.fromkeys(d.configuration for d in drives))
+    failing = {d.configuration for d in drives if d.failures()}
+    return f"{len(configs) - len(failing)}/{len(configs)} configurations clean"
+
+
 def markdown(drives: list[Drive]) -> str:
     lines = [
         "# compiled_loss compile audit",
+        "",
+        summary(drives),
         "",
         "| configuration | calls | graphs | breaks | syncs | eager fallbacks | compiles | recompiles "
         "| buckets | compile s | warm ms | status |",
@@ -461,7 +586,7 @@ def markdown(drives: list[Drive]) -> str:
         lines.append(
             f"| {r['name']} | {r['calls']} | {r['graphs']} | {len(r['graph_breaks'])} | {len(r['syncs'])} | "
             f"{len(r['eager_fallbacks'])} | {r['compiles']} | {len(r['recompiles'])} | {r['buckets']} | "
-            f"{r['compile_s']} | {r['warm_ms']} | {'ok' if not r['failures'] else 'FAIL'} |"
+            f"{r['compile_s']} | {r['warm_ms']} | {_status(d)} |"
         )
     failing = [d for d in drives if d.failures()]
     if failing:
@@ -472,36 +597,36 @@ def markdown(drives: list[Drive]) -> str:
     if recompiling:
         lines += ["", "## Recompile reasons (guard that failed)", ""]
         for d in recompiling:
-            lines += [f"- {d.name}: {f.compile_id} {f.recompile_reason}" for f in d.report.recompiles]
+            lines += [f"- {d.name}: {f.compile_id} of {f.frame}: {f.recompile_reason}" for f in d.report.recompiles]
     return "\n".join(lines) + "\n"
 
 
+_CHOICES = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES, "head": HEADS, "metrics": METRICS}
+_ONE_CHOICE = ("head", "metrics")  # a run audits one LM-head path and one metrics level
+_COUNTS = {"batches": 1, "steps": 1, "tp": 1, "cp": 1, "dp": 1}  # whole numbers, with their least value
+
+
 def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
-    allowed = {
-        "loss": LOSSES,
-        "packing": PACKINGS,
-        "draft": DRAFTS,
-        "dtype": DTYPES,
-        "head": ("logits", "linear"),
-        "metrics": ("full", "minimal"),
-    }
-    scalars = ("batches", "steps", "backend", "tp", "cp", "dp")
+    """`key=value[,value...]` items as {key: values}, each key and value checked."""
+    keys = sorted((*_CHOICES, *_COUNTS, "backend"))
     out: dict[str, list[str]] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in (*allowed, *scalars):
-            raise SystemExit(
-                f"bad override {item!r}: expected key=value[,value...] with key in {sorted((*allowed, *scalars))}"
-            )
+        if not sep or key not in keys:
+            raise SystemExit(f"bad override {item!r}: expected key=value[,value...] with key in {keys}")
         values = value.split(",")
-        if key in allowed:
-            bad = [v for v in values if v not in allowed[key]]
+        if key in _CHOICES:
+            bad = [v for v in values if v not in _CHOICES[key]]
             if bad:
-                raise SystemExit(f"{key}={','.join(bad)}: not a valid choice; valid choices: {list(allowed[key])}")
-        if key == "head" and len(values) != 1:
-            raise SystemExit(f"head={value}: one value, logits or linear (a run audits one LM-head path)")
-        if key == "metrics" and len(values) != 1:
-            raise SystemExit(f"metrics={value}: one value, full or minimal (the policy-gradient losses' metrics_level)")
+                raise SystemExit(f"{key}={','.join(bad)}: not a valid choice; valid choices: {list(_CHOICES[key])}")
+        elif len(values) != 1:
+            raise SystemExit(f"{item}: {key} takes one value")
+        if key in _ONE_CHOICE and len(values) != 1:
+            raise SystemExit(f"{item}: {key} takes one value, one of {list(_CHOICES[key])}")
+        if key in _COUNTS and not (value.isdigit() and int(value) >= _COUNTS[key]):
+            raise SystemExit(f"{item}: {key} takes a whole number >= {_COUNTS[key]}")
+        if key == "backend" and value not in (backends := torch._dynamo.list_backends(exclude_tags=())):
+            raise SystemExit(f"{item}: not a torch.compile backend; one of {backends}")
         out[key] = values
     return out
 
@@ -516,45 +641,50 @@ def main(argv: list[str] | None = None) -> int:
         "overrides",
         nargs="*",
         help="loss=…, packing=…, draft=…, dtype=…, head=logits|linear, metrics=full|minimal, batches=N, steps=N, "
-        "backend=…; tp=N cp=N "
-        "dp=N under torchrun",
+        "backend=…; tp=N cp=N dp=N under torchrun",
     )
     parser.add_argument("--target", help="audit a callable instead: package.module:function")
     parser.add_argument("--inputs", help="with --target: package.module:factory returning (args, kwargs) samples")
     parser.add_argument("--no-fullgraph", action="store_true", help="with --target: allow graph breaks to be counted")
-    parser.add_argument("--full", action="store_true", help="every loss × packing × draft × dtype (default: a subset)")
+    parser.add_argument(
+        "--full", action="store_true", help="every loss × packing × draft × dtype (default: a covering set)"
+    )
     parser.add_argument("--out", default="audit_out", help="directory for audit.json and audit.md")
     args = parser.parse_args(argv)
     opts = _parse_overrides(args.overrides)
+    if args.target is None and (args.inputs or args.no_fullgraph):
+        parser.error("--inputs and --no-fullgraph go with --target")
+    if args.target is not None and (args.inputs is None or args.full or set(opts) - {"backend"}):
+        parser.error("--target needs --inputs, and takes neither --full nor any override but backend=")
     sizes = tuple(int(opts.get(k, ["1"])[0]) for k in ("tp", "cp", "dp"))
     lead = int(os.environ.get("RANK", "0")) == 0
     if lead:
         print(HEADER, flush=True)
     if args.target:
-        if not args.inputs:
-            parser.error("--target needs --inputs")
+        if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does
+            sys.path.insert(0, os.getcwd())
         backend = opts.get("backend", ["inductor"])[0]
         drives = [audit_target(args.target, args.inputs, backend, fullgraph=not args.no_fullgraph)]
         print(_line(drives[0]))
     elif sizes != (1, 1, 1):
-        rows, _, steps = configurations(opts, args.full)
-        drives = audit_distributed(rows, int(opts.get("steps", [steps])[0]), sizes, opts)
+        configs, _, steps = configurations(opts, args.full)
+        drives = audit_distributed(configs, int(opts.get("steps", [steps])[0]), sizes)
         if lead:
             for d in drives:
                 print(_line(d), flush=True)
     else:
-        rows, batches, steps = configurations(opts, args.full)
-        drives = audit_matrix(rows, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]), opts)
+        configs, batches, steps = configurations(opts, args.full)
+        drives = audit_matrix(configs, int(opts.get("batches", [batches])[0]), int(opts.get("steps", [steps])[0]))
     failing = [d for d in drives if d.failures()]
     if not lead:
         return 1 if failing else 0
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps([d.row() for d in drives], indent=2) + "\n")
     (out / "audit.md").write_text(markdown(drives))
     for d in failing:
         print(f"\nFAIL {d.name}:\n  " + "\n  ".join(d.failures()))
-    print(f"\n{len(drives) - len(failing)}/{len(drives)} configurations clean; report in {out}/audit.md")
+    print(f"\n{summary(drives)}; report in {out / 'audit.md'}")
     return 1 if failing else 0
 
 

@@ -12,6 +12,8 @@ of them show up, each as a problem.
 from __future__ import annotations
 
 import dataclasses
+import linecache
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,8 +59,33 @@ class FrameRecord:
     compile_seconds: float
 
 
+# one frame of a formatted stack (`traceback.format_list`): its file, line and source line
+_STACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<source>[^\n]*)')
+
+
+def _where(filename: str, lineno: int, line: str | None = None) -> str:
+    """`path:line `source``: the whole path and the source line (read from the file when not given)."""
+    source = (linecache.getline(filename, lineno) if line is None else line).strip()
+    return f"{filename}:{lineno}" + (f" `{source}`" if source else "")
+
+
+def _innermost(stack: str | None) -> str | None:
+    """The innermost frame of a formatted stack (a node's `stack_trace`, a guard's user stack) as `_where`."""
+    frames = list(_STACK_FRAME.finditer(stack or ""))
+    return _where(frames[-1]["file"], int(frames[-1]["line"]), frames[-1]["source"]) if frames else None
+
+
 def _first_line(text: str | None) -> str | None:
-    return text.strip().splitlines()[0][:200] if text and text.strip() else None
+    return text.strip().splitlines()[0] if text and text.strip() else None
+
+
+def _failed_guards(reason: str | None, frame: str) -> str | None:
+    """Dynamo's `recompile_reason` as `guard at path:line `source`` per failed guard (`; `
+    between them): the guard whole, at the user line that installed it (else at `frame`)."""
+    if not reason or not reason.strip():
+        return None
+    guards = re.split(r"\n(?=\d+/\d+: )", reason.strip())  # one block per cache entry's failed guard
+    return "; ".join(f"{g.splitlines()[0].split('  # ')[0]} at {_innermost(g) or frame}" for g in guards)
 
 
 def _node_name(node: torch.fx.Node) -> str:
@@ -68,7 +95,8 @@ def _node_name(node: torch.fx.Node) -> str:
 
 
 def graph_sync_ops(gm: torch.fx.GraphModule) -> list[str]:
-    """Nodes (in `gm` and its subgraphs) that introduce data-dependent sizes or scalars."""
+    """Nodes (in `gm` and its subgraphs) that introduce data-dependent sizes or scalars, each
+    as `op at path:line `source`` (the user line that called it)."""
     found: list[str] = []
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
@@ -88,7 +116,8 @@ def graph_sync_ops(gm: torch.fx.GraphModule) -> list[str]:
             name = _node_name(node)
             base = name.split(".")[0]
             if fresh or (base in SYNC_OPS and "output_size" not in node.kwargs):
-                found.append(name)
+                location = _innermost(node.meta.get("stack_trace"))
+                found.append(name if location is None else f"{name} at {location}")
     return found
 
 
@@ -127,7 +156,7 @@ class CompileReport:
         out: list[str] = []
         breaks = {(g.break_location, g.break_reason) for g in self.graph_breaks}
         out += [f"graph break at {loc}: {why}" for loc, why in sorted(breaks, key=str)]
-        out += [f"host sync in graph {g.compile_id}: {g.sync_ops}" for g in self.graphs if g.sync_ops]
+        out += [f"host sync in graph {g.compile_id}: {'; '.join(g.sync_ops)}" for g in self.graphs if g.sync_ops]
         out += [
             f"frame {f.frame} fell back to eager ({f.fail_type}) at {f.fail_location}: {f.fail_reason}"
             for f in self.eager_fallbacks
@@ -157,7 +186,7 @@ class CompileRecorder:
         location = None
         if reason is not None and reason.graph_break and reason.user_stack:
             frame = reason.user_stack[-1]
-            location = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} `{(frame.line or '').strip()}`"
+            location = _where(frame.filename, frame.lineno, frame.line)
         self.report.graphs.append(
             GraphRecord(
                 compile_id=compile_id,
@@ -184,13 +213,14 @@ class CompileRecorder:
             if not during_call:
                 continue
             fail_location = None
-            if m.fail_type:
-                fail_location = f"{(m.fail_user_frame_filename or '').rsplit('/', 1)[-1]}:{m.fail_user_frame_lineno}"
+            if m.fail_type and m.fail_user_frame_filename:
+                fail_location = _where(m.fail_user_frame_filename, m.fail_user_frame_lineno)
+            frame = f"{m.co_name} at {_where(m.co_filename, m.co_firstlineno)}"
             self.report.frames.append(
                 FrameRecord(
                     compile_id=str(m.compile_id),
-                    frame=f"{m.co_name}:{m.co_firstlineno}",
-                    recompile_reason=_first_line(m.recompile_reason),
+                    frame=frame,
+                    recompile_reason=_failed_guards(m.recompile_reason, frame),
                     fail_type=m.fail_type,
                     fail_reason=_first_line(m.fail_reason),
                     fail_location=fail_location,
