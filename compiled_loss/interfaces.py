@@ -95,6 +95,111 @@ class InputSpec:
         return InputSpec(loss_fn.input_type)
 
 
+@dataclasses.dataclass(frozen=True)
+class DataKey:
+    """One data key's contract (`DATA_KEYS`)."""
+
+    shape: str
+    """`B` rows, `S` positions, `V` the vocabulary; other letters as the meaning says."""
+    dtype: str
+    """`float` (any floating dtype) or `integer` (any integer dtype)."""
+    meaning: str
+
+
+DATA_KEYS: dict[str, DataKey] = {
+    "input_ids": DataKey(
+        "[B, S]",
+        "integer",
+        "Token ids in [0, V). The training step's model input; log-prob preparation reads each position's next "
+        "token from it.",
+    ),
+    "input_lengths": DataKey(
+        "[B]", "integer", "Each row's length (positions past it are padding); the training step packs rows by it."
+    ),
+    "token_mask": DataKey(
+        "[B, S]", "float", "1 where token t is trained (the response), 0 elsewhere; entry 0 is never read."
+    ),
+    "sample_mask": DataKey("[B]", "float", "1 for a row that counts, 0 for one left out (padding, a filtered row)."),
+    "advantages": DataKey("[B, S]", "float", "The advantage of token t."),
+    "generation_logprobs": DataKey(
+        "[B, S]",
+        "float",
+        "The log-prob of token t under the sampler that drew it; against `prev_logprobs` it gives the sampling "
+        "importance ratio (TIS, ICEPOP) and the `gen_kl_error` metrics.",
+    ),
+    "prev_logprobs": DataKey(
+        "[B, S]",
+        "float",
+        "The log-prob of token t under the policy before this step, recomputed by the trainer: the PPO ratio's "
+        "denominator. Not read with `force_on_policy_ratio`.",
+    ),
+    "reference_policy_logprobs": DataKey(
+        "[B, S]",
+        "float",
+        "The reference policy's log-prob of token t, for a reference KL (`reference_policy_kl_penalty` ≠ 0). "
+        "DPO and MPO read it pre-rolled: entry t is token t+1's.",
+    ),
+    "rewards": DataKey(
+        "[B]", "float", "The row's reward: with `positive_example_nll_weight` > 0, rows rewarded > 0 add their NLL."
+    ),
+    "curr_logprobs_unfiltered": DataKey(
+        "[B, S-1]",
+        "float",
+        "NeMo-RL's key for the policy's next-token log-probs without the top-k / top-p filter (a reference KL "
+        "under a filter); the ones preparation computes take precedence.",
+    ),
+    "opd_full_teacher_payload": DataKey(
+        "[B, S, D]",
+        "float",
+        "With `opd_full`: the teacher's logits at each position (D = V), or its hidden states (D = its width, "
+        '`teacher_payload="hidden_states"`).',
+    ),
+    "opd_full_teacher_index": DataKey(
+        "[B]",
+        "integer",
+        "With `opd_full` hidden-state payloads: the teacher LM head that projects the row "
+        "(a key of `teacher_output_layer_weight_by_index`).",
+    ),
+    "pair_index": DataKey(
+        "[B]",
+        "integer",
+        "The preference pair a row belongs to; with `is_chosen`, rows may come in any order. Without the two, "
+        "rows alternate chosen, rejected.",
+    ),
+    "is_chosen": DataKey("[B]", "integer", "1 for the chosen row of its pair, 0 for the rejected one."),
+    "reward_shift": DataKey(
+        "[B]", "float", "MPO's running mean reward δ, the same in every row (the driver's `update_reward_shift`)."
+    ),
+    "teacher_topk_logits": DataKey("[B, S, k]", "float", "The teacher's k largest logits at each position."),
+    "teacher_topk_indices": DataKey("[B, S, k]", "integer", "Their token ids, in [0, V)."),
+    "teacher_{i}_logits": DataKey(
+        "[B, S_t, V_t]",
+        "float",
+        "Teacher i's logits on its own tokenization of each row (entry a predicts its token a+1).",
+    ),
+    "teacher_{i}_alignment": DataKey(
+        "[B, S]",
+        "integer",
+        "For student position t, teacher i's position whose next token starts at the same text offset; -1 where "
+        "none (`compiled_loss.inputs.align_tokenizations` builds it).",
+    ),
+    "returns": DataKey("[B, S]", "float", "The value target (return) at each position."),
+    "values": DataKey(
+        "[B, S]", "float", "The rollout's values: with `cliprange`, new values are clipped to values ± cliprange."
+    ),
+    "student_logits": DataKey(
+        "[B, S, V_d]",
+        "float",
+        "The drafter's logits over the draft vocabulary; position t is matched with the policy's logits at t+1 "
+        "(draft id i is the policy's token i + d2t[i]).",
+    ),
+}
+"""The glossary of data keys: every key of every loss's data `TypedDict` (`InputSpec.data`; a
+teacher's keys with its index as `{i}`) and the training step's `input_ids` / `input_lengths`.
+A `[B, S]` key follows NeMo-RL's alignment: entry t belongs to token t. `tools/data_keys.py`
+prints the README's tables from it and the losses' `TypedDict`s."""
+
+
 @runtime_checkable
 class LossFunction(Protocol):
     """A stateless loss: `loss_fn(data, global_valid_seqs, global_valid_toks, **loss_input)`.

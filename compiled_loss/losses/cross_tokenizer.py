@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 
@@ -281,6 +281,15 @@ def _gold(x: Tensor, log_q: Tensor, split: tuple[Tensor, ...]) -> tuple[Tensor, 
     return kl_common, (q_top - p_top).abs().sum(-1)
 
 
+class CrossTokenizerDistillationLossData(TypedDict):
+    """The data `CrossTokenizerDistillationLossFn` reads besides each teacher's logits and
+    alignment (`teacher_logits_keys`, `teacher_alignment_keys`): `[B, S]` unless noted."""
+
+    input_ids: Tensor
+    token_mask: Tensor
+    sample_mask: Tensor  # [B]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class CrossTokenizerDistillationLossFn:
     """Multi-teacher distillation across tokenizers (ref §4.8; the math: module docstring).
@@ -321,6 +330,7 @@ class CrossTokenizerDistillationLossFn:
             self.input_type,
             teacher_logits_keys=self.teacher_logits_keys,
             teacher_alignment_keys=self.teacher_alignment_keys,
+            data=CrossTokenizerDistillationLossData,
         )
 
     @property

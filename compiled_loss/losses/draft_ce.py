@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -242,6 +242,14 @@ def dflash_projected_vocab_parallel_soft_ce(
     )
 
 
+class DraftCrossEntropyLossData(TypedDict):
+    """The data `DraftCrossEntropyLossFn` reads, with DRAFT input preparation: `[B, S]` unless noted."""
+
+    token_mask: Tensor
+    sample_mask: Tensor  # [B]
+    student_logits: Tensor  # [B, S, V_d]
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftCrossEntropyLossFn:
     """EAGLE draft soft cross-entropy against the (shifted) policy distribution (ref §4.6).
@@ -255,7 +263,7 @@ class DraftCrossEntropyLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.DRAFT
-    input_spec = InputSpec(LossInputType.DRAFT)
+    input_spec = InputSpec(LossInputType.DRAFT, data=DraftCrossEntropyLossData)
 
     def __post_init__(self) -> None:
         check_chunk_size(self.token_chunk_size, "token_chunk_size")
