@@ -1,8 +1,9 @@
 """The runner under torchrun (gloo on CPU): with the same seed, the first step's loss and
 metrics equal the single-process run's (fp32, aot_eager) at tp=2 cp=2 and at dp=2 — with a
-co-trained drafter, both steps' draft metrics and drafter gradient norms too; every rank
-reports zero graph breaks, syncs and eager fallbacks and compiles no more than its buckets;
-a wrong process count is a clear error before anything is built."""
+co-trained drafter (traced by Dynamo's eager backend), both steps' draft metrics and drafter
+gradient norms too; every rank reports zero graph breaks, syncs and eager fallbacks and
+compiles no more than its buckets; a wrong process count is a clear error before anything
+is built."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_a_drafter_trains_as_in_a_single_process(chosen, sizes, tmp_path):
     process's rows split in two, with the denominators summed over DP); DFlash draws a
     static number of anchors per replica, so its DP runs differ by design and it runs at
     tp=2 cp=2, where every rank draws the replica's anchors."""
-    common = (*chosen, "run.micro_batches=1")
+    common = (*chosen, "run.micro_batches=1", "compile.backend=eager")
     want, _, _ = _run(tmp_path / "single", *common)
     procs = 4 if len(sizes) == 2 else 2
     got, summaries, _ = _run(tmp_path / "parallel", *common, *sizes, procs=procs)
