@@ -7,7 +7,8 @@ import math
 import torch
 
 # Hydra overrides for runner tests: the embedded model and task at test size, with a bucket
-# grid that small batches fill (SMALL_RUN), or a shorter task on a 32-token vocabulary (TINY_TASK)
+# grid that small batches fill (SMALL_RUN), a shorter task on a 32-token vocabulary (TINY_TASK),
+# or the task the learning tests train on (LEARNING_TASK: a 64-wide LM over 32 tokens)
 SMALL_RUN = [
     "model.vocab_size=96",
     "model.hidden_size=32",
@@ -23,18 +24,17 @@ SMALL_RUN = [
     "packing.width=24",
     "packing.rows=4",
 ]
-TINY_TASK = [
+_TASK_32 = [  # the task on a 32-token vocabulary
     "model.vocab_size=32",
-    "model.hidden_size=32",
     "model.num_heads=2",
     "model.max_positions=64",
     "data.modulus=16",
     "data.prompt_terms_max=5",
     "data.response_max=12",
     "data.total_terms=10",
-    "data.prompts=4",
-    "data.group_size=4",
 ]
+TINY_TASK = [*_TASK_32, "model.hidden_size=32", "data.prompts=4", "data.group_size=4"]
+LEARNING_TASK = [*_TASK_32, "model.hidden_size=64", "data.prompts=8", "data.group_size=8"]
 
 
 def exact_logits(target_lp: torch.Tensor, input_ids: torch.Tensor, vocab: int) -> torch.Tensor:

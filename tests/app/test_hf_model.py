@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from common import LEARNING_TASK, SMALL_RUN
 
 pytest.importorskip("transformers", reason="model=hf needs transformers: pip install 'compiled_loss[hf]'")
 
@@ -27,22 +28,11 @@ from compiled_loss.train import build_train_step  # noqa: E402
 
 SIZES = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, max_positions=64, architecture="hf")
 
-# the runner's overrides at test size (tests/common.py's SMALL_RUN with model=hf)
+# the runner's overrides at test size (tests/common.py's SMALL_RUN with model=hf, 3 prompts)
 SMALL = [
     "model=hf",
-    "model.vocab_size=96",
-    "model.hidden_size=32",
-    "model.num_heads=2",
-    "model.max_positions=64",
+    *(o for o in SMALL_RUN if not o.startswith("data.prompts=")),
     "data.prompts=3",
-    "data.group_size=2",
-    "data.modulus=16",
-    "data.response_median=5",
-    "data.response_max=12",
-    "data.prompt_terms_max=5",
-    "packing.tokens=32",
-    "packing.width=24",
-    "packing.rows=4",
     "run.micro_batches=2",
     "run.sft_steps=0",
 ]
@@ -227,16 +217,7 @@ def _runner(out, *overrides: str) -> tuple[dict, list[dict]]:
 # tests/app/test_learning.py's task (a 64-wide LM over 32 tokens, modulus 16) with model=hf
 LEARNING = [
     "model=hf",
-    "model.vocab_size=32",
-    "model.hidden_size=64",
-    "model.num_heads=2",
-    "model.max_positions=64",
-    "data.modulus=16",
-    "data.prompt_terms_max=5",
-    "data.response_max=12",
-    "data.total_terms=10",
-    "data.prompts=8",
-    "data.group_size=8",
+    *LEARNING_TASK,
     "optim.sft_lr=6e-3",
     "optim.lr=1e-3",
 ]

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from common import LEARNING_TASK
 
 from compiled_loss.app import compose_config
 from compiled_loss.app.loop import train
@@ -15,16 +16,7 @@ from compiled_loss.app.loop import train
 pytestmark = pytest.mark.slow  # trains the runner for many steps
 
 SMALL = [
-    "model.vocab_size=32",
-    "model.hidden_size=64",
-    "model.num_heads=2",
-    "model.max_positions=64",
-    "data.modulus=16",
-    "data.prompt_terms_max=5",
-    "data.response_max=12",
-    "data.total_terms=10",
-    "data.prompts=8",
-    "data.group_size=8",
+    *LEARNING_TASK,
     "compile.enabled=false",
     "run.sft_steps=20",
     "run.steps=120",
