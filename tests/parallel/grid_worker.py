@@ -23,6 +23,7 @@ from common import SMALL_RUN  # noqa: E402
 
 from compiled_loss.app import load_config
 from compiled_loss.app.loop import build_run
+from compiled_loss.audit.cli import LOSSES
 from compiled_loss.train.parallel import init_parallel
 
 # small enough that a case takes about a second on one core
@@ -33,19 +34,6 @@ SMALL = [
     "run.sft_steps=0",
     "run.steps=1",
     "optim.grad_clip=null",
-]
-LOSSES = [
-    "clipped_pg",
-    "gspo",
-    "cispo",
-    "reinforce",
-    "opd_full",
-    "nll",
-    "dpo",
-    "mpo",
-    "distillation",
-    "cross_tokenizer",
-    "mse_value",
 ]
 # the fused LM head serves every loss over the policy's log-probs; opd_full and cross_tokenizer
 # read every logit, and mse_value trains a value head
