@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow  # two full runs with Inductor
 SMALL = [
     *LEARNING_TASK,
     "run.sft_steps=0",
-    "run.steps=6",
+    "run.steps=3",
     "run.micro_batches=1",
-    "run.save_every=6",
+    "run.save_every=3",
     "run.deterministic=true",
     "compile.backend=inductor",
 ]
@@ -35,7 +35,7 @@ def _run(out) -> tuple[list[dict], dict]:
         {k: v for k, v in json.loads(line).items() if k not in TIMING}
         for line in (out / "metrics.jsonl").read_text().splitlines()
     ]
-    return metrics, torch.load(out / "checkpoints" / "step_6.pt", weights_only=True)
+    return metrics, torch.load(out / "checkpoints" / "step_3.pt", weights_only=True)
 
 
 def test_deterministic_runs_are_bitwise_identical(tmp_path):
