@@ -101,9 +101,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 num_items_in_batch=inputs.get("num_items_in_batch"),
             )
         mode = "train" if self.model.training else "eval"
+        # host: TRL's trainer logs each micro-batch's metrics as Python floats (its own path syncs the same way)
         if self.beta != 0.0:
-            self._metrics[mode]["kl"].append(self.accelerator.gather(metrics[0]).mean().item())
-        self._metrics[mode]["clip_ratio/region_mean"].append(self.accelerator.gather(metrics[-1]).mean().item())
+            self._metrics[mode]["kl"].append(self.accelerator.gather(metrics[0]).mean().item())  # host
+        self._metrics[mode]["clip_ratio/region_mean"].append(self.accelerator.gather(metrics[-1]).mean().item())  # host
         if mode == "eval":
             return loss
         if self.loss_type == "dapo":  # num_items_in_batch spans the generation batch (TRL's rescaling)

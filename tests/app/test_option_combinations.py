@@ -22,24 +22,12 @@ from omegaconf import OmegaConf
 
 from compiled_loss.app import compose_config
 from compiled_loss.app.loop import train
+from compiled_loss.audit.cli import LOSSES as AUDITED_LOSSES
 from compiled_loss.checks import ConfigError
 from compiled_loss.config import PackingMode
 
 SMALL = [*SMALL_RUN, "run.micro_batches=2", "compile.enabled=false", "run.steps=2", "run.sft_steps=1"]
-LOSSES = [
-    "clipped_pg",
-    "gspo",
-    "cispo",
-    "reinforce",
-    "opd_full",
-    "opd_full loss.teacher_payload=hidden_states",
-    "nll",
-    "dpo",
-    "mpo",
-    "distillation",
-    "cross_tokenizer",
-    "mse_value",
-]
+LOSSES = [*AUDITED_LOSSES, "opd_full loss.teacher_payload=hidden_states"]  # every runner loss
 AXES = {
     "loss": LOSSES,
     "packing": ["none", "per_sequence", "fused"],
