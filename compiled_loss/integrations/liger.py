@@ -63,16 +63,10 @@ def _pad_width(width: int, *tensors: Tensor | None) -> list[Tensor | None]:
     return out
 
 
-class _Objective:
-    """A module's objective, compiled on first use (`compile_loss`, fullgraph, static shapes)
-    when `compiled`, else eager."""
-
-    def __init__(self, fn: Callable[..., Any], compiled: bool) -> None:
-        self.fn = fn
-        self.run = compile_loss(fn, fullgraph=True, dynamic=False) if compiled else fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run(*args, **kwargs)
+def _objective(fn: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
+    """A module's objective: compiled (`compile_loss`, fullgraph, static shapes: one graph
+    per bucket) when `compiled`, else `fn` itself."""
+    return compile_loss(fn, fullgraph=True, dynamic=False) if compiled else fn
 
 
 def _token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float, chunk_size):
@@ -148,7 +142,7 @@ class FusedLinearGRPOLoss(nn.Module):
                 metrics_level="minimal",
             )
         )
-        self._objective = _Objective(self._grpo, compiled)
+        self._objective = _objective(self._grpo, compiled)
 
     def forward(
         self,
@@ -281,7 +275,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             _require(value is neutral or value == neutral, f"{who}: {name} is not supported, got {value!r}")
         self.ignore_index, self.reduction, self.chunk_size, self.bucket = ignore_index, reduction, chunk_size, bucket
         self.loss_fn = NLLLossFn()
-        self._objective = _Objective(self._cross_entropy, compiled)
+        self._objective = _objective(self._cross_entropy, compiled)
 
     def forward(self, lin_weight: Tensor, _input: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
         who = "FusedLinearCrossEntropyLoss"
@@ -338,7 +332,7 @@ class FusedLinearDPOLoss(nn.Module):
         self.ignore_index, self.beta, self.alpha, self.compute_nll_loss = ignore_index, beta, alpha, compute_nll_loss
         self.use_ref_model, self.average_log_prob, self.chunk_size = use_ref_model, average_log_prob, chunk_size
         self.bucket = bucket
-        self._objective = _Objective(self._dpo, compiled)
+        self._objective = _objective(self._dpo, compiled)
 
     def forward(
         self,
@@ -431,7 +425,7 @@ class FusedLinearJSDLoss(nn.Module):
         self.weight_hard_loss, self.weight_soft_loss, self.beta = weight_hard_loss, weight_soft_loss, beta
         self.ignore_index, self.temperature, self.chunk_size = ignore_index, temperature, chunk_size
         self.bucket = bucket
-        self._objective = _Objective(self._distillation, compiled)
+        self._objective = _objective(self._distillation, compiled)
 
     def forward(
         self,
