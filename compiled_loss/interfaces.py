@@ -77,6 +77,13 @@ class InputSpec:
     rows but never cuts them at the student's lengths."""
     teacher_alignment_keys: tuple[str, ...] = ()
     """DISTILLATION_CROSS_TOKENIZER: data keys of the student → teacher position alignments."""
+    token_separable: bool = False
+    """The loss is a sum over tokens of a function of each token's own inputs, every normaliser
+    given up front (masks, `global_valid_toks` / `global_valid_seqs`): no token's input
+    changes another token's gradient. From `LinearLogits`, LOGPROB inputs are then computed
+    with the gradient in the forward (`compiled_loss.vocab.linear_vocab_gradient`: three
+    matmuls, no recompute). False for coupled losses (GSPO's sequence ratios, a filter on the
+    current log-probs, sequence sums)."""
     vocab_sharded: bool = True
     """The loss reads vocabulary-sharded logits under tensor parallelism, so each TP rank gets
     its shard's share of the gradient (a partial `dH`; the sum over the group is the

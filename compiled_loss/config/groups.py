@@ -125,8 +125,8 @@ class LogprobConfig:
     chunk_size: int | None = None
     """Rows per chunk of the vocab primitive in eager mode (None: ~4 MiB of fp32); with
     fused_linear, rows per LM-head chunk, compiled or not (None: ~16 MiB of fp32 logits),
-    raised to N / 16 rows where it would make more than 16 chunks (each chunk is unrolled
-    in the compiled graph; the values do not depend on the chunking)."""
+    raised to N / 16 rows where it would make more than 16 chunks (the values do not depend
+    on the chunking)."""
     fused_linear: bool = False
     """Compute the loss from the final hidden states and the LM head, chunk by chunk,
     without the [T, V] logits (the model is called with `linear_logits=True` and returns
@@ -231,6 +231,9 @@ class RunConfig:
     """Continue from this checkpoint (a file `run.save_every` wrote)."""
     deterministic: bool = False
     """Deterministic kernels and Inductor's deterministic mode: bitwise-repeatable runs."""
+    compile_cache: str | None = None
+    """A file of torch's portable compile-cache artifacts: loaded at start when it exists (a graph it holds is read,
+    not compiled), written after a step that compiled something it lacks (rank 0; `save_compile_cache`)."""
 
     def warm_start_steps(self, family: str) -> int:
         """The steps of the warm start of a run whose loss is of `family`: `sft_steps`, none for a value head."""
@@ -248,6 +251,7 @@ class RunConfig:
         for name in self.loggers:
             require(name in LOGGERS, f"{given}: unknown logger {name!r}; choices: {', '.join(LOGGERS)}")
         require(len(set(self.loggers)) == len(self.loggers), f"{given} names a logger twice")
+        require(self.compile_cache != "", "run.compile_cache must name a file or be null, got ''")
         for name, larger in (
             ("log_every", "logs the last step's line only"),
             ("save_every", "writes after the last step only"),

@@ -13,9 +13,13 @@ from compiled_loss.inputs.options import PrepareOptions
 from compiled_loss.interfaces import InputSpec
 from compiled_loss.losses.common import require_keys
 from compiled_loss.packing.view import Logits, RowsView, TokenView
-from compiled_loss.parallel import ParallelGroups
+from compiled_loss.parallel import ParallelGroups, group_size
 from compiled_loss.vocab import (
+    GRADIENT_CARRIER,
+    LinearLogits,
     TrainingSamplingParams,
+    VocabStats,
+    linear_vocab_gradient,
     mask_out_neg_inf_logprobs,
     need_top_k_or_top_p_filtering,
     token_logprobs,
@@ -54,6 +58,13 @@ def logprob_input(
     if spec.fused_linear_logprobs:
         return {"next_token_logprobs": view.unpacked(logits[..., None].float())[..., 0][:, : view.width - 1]}
     sampling, tp = options.sampling_params, options.parallel.tp
+    if (
+        isinstance(logits, LinearLogits)
+        and logits.objective is not None
+        and not need_top_k_or_top_p_filtering(sampling)
+        and group_size(options.parallel.cp) == 1
+    ):
+        return _logprobs_with_gradient(view, logits, data, options)
     lp = next_token_logprobs(
         view, logits, data["input_ids"], sampling_params=sampling, chunk_size=options.chunk_size, group=tp
     )
@@ -64,6 +75,23 @@ def logprob_input(
     if spec.unfiltered_logprobs:
         out["curr_logprobs_unfiltered"] = next_token_logprobs(view, logits, data["input_ids"], group=tp)
     return out
+
+
+def _logprobs_with_gradient(
+    view: TokenView, logits: LinearLogits, data: Mapping[str, Tensor], options: PrepareOptions
+) -> dict[str, Any]:
+    """`next_token_logprobs` of a token-separable loss (`InputSpec.token_separable`) from
+    `LinearLogits`, the loss's gradient computed in the forward: detached log-probs and the
+    zero that carries the gradient (`GRADIENT_CARRIER`)."""
+
+    def objective(stats: VocabStats) -> Tensor:
+        return logits.objective({"next_token_logprobs": view.full(stats.picked[:, 0] - stats.lse)[:, :-1]}, data)
+
+    targets = view.next_tokens(data["input_ids"])[:, None]
+    stats, carrier = linear_vocab_gradient(
+        view.rows(logits), targets, objective, chunk_size=options.chunk_size, group=options.parallel.tp
+    )
+    return {"next_token_logprobs": view.full(stats.picked[:, 0] - stats.lse)[:, :-1], GRADIENT_CARRIER: carrier}
 
 
 def get_next_token_logprobs_from_logits(

@@ -32,7 +32,12 @@ class NLLLossFn:
 
     @property
     def input_spec(self) -> InputSpec:
-        return InputSpec(self.input_type, fused_linear_logprobs=self.use_fused_linear_logprobs, data=NLLLossData)
+        return InputSpec(
+            self.input_type,
+            fused_linear_logprobs=self.use_fused_linear_logprobs,
+            token_separable=True,
+            data=NLLLossData,
+        )
 
     @property
     def metric_normalizations(self) -> dict[str, MetricNormalizer]:

@@ -251,6 +251,7 @@ class ClippedPGLossFn:
             unfiltered_logprobs=self.reference_policy_kl_penalty != 0,
             fused_linear_logprobs=self.use_fused_linear_logprobs,
             opd_full=self.opd_full,
+            token_separable=not (self.cfg.sequence_level_importance_ratios or self.cfg.seq_logprob_error_in_loss),
             data=ClippedPGLossData,
         )
 

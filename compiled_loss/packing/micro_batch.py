@@ -18,6 +18,7 @@ preparation (`compiled_loss.inputs.Preparation`), or a seed `prepare_fn` adapted
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ from compiled_loss.interfaces import InputSpec, LossFunction, LossInputType
 from compiled_loss.packing.boundaries import CpuIntTuple
 from compiled_loss.packing.layout import PackedLayout, row_width
 from compiled_loss.parallel import ParallelGroups, check_agreement
-from compiled_loss.vocab.fused import LinearLogits, per_position
+from compiled_loss.vocab.fused import GRADIENT_CARRIER, LinearLogits, per_position
 
 Tensor = torch.Tensor
 
@@ -94,6 +95,9 @@ def micro_batch_loss(
     packing itself is checked where the layout is built)."""
     who = "wrap_loss_fn_with_input_preparation" if layout is None else "sequence_packing_loss"
     check_inputs_agree(who, logits, data, parallel.tp, parallel.cp)
+    normalizers = dict(global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks)
+    if isinstance(logits, LinearLogits) and spec.token_separable:
+        logits = dataclasses.replace(logits, objective=_objective(loss_fn, normalizers, layout))
     if layout is None:
         loss_input, data = prepare(logits, data, None)
     else:
@@ -113,7 +117,23 @@ def micro_batch_loss(
         else:
             loss_input, data = prepare(logits, data, layout)
         loss_input = _zero_unevaluated(loss_input, layout.valid_mask(row_width(data))[:, 1:])
-    return loss_fn(data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks, **loss_input)
+    carrier = loss_input.pop(GRADIENT_CARRIER, None)
+    loss, metrics = loss_fn(data=data, **normalizers, **loss_input)
+    return (loss, metrics) if carrier is None else (loss + carrier, metrics)
+
+
+def _objective(
+    loss_fn: LossFunction, normalizers: dict[str, Any], layout: PackedLayout | None
+) -> Callable[..., Tensor]:
+    """The micro-batch's loss as a function of its inputs and (prepared) data, for the
+    gradient in the forward of a token-separable loss (`LinearLogits.objective`)."""
+
+    def objective(loss_input: dict[str, Any], data: Mapping[str, Tensor]) -> Tensor:
+        if layout is not None:
+            loss_input = _zero_unevaluated(loss_input, layout.valid_mask(row_width(data))[:, 1:])
+        return loss_fn(data=data, **normalizers, **loss_input)[0]
+
+    return objective
 
 
 def _zero_unevaluated(loss_input: dict[str, Any], next_valid: Tensor) -> dict[str, Any]:

@@ -7,14 +7,15 @@
   fixed teacher `reverse_kl` between two rows' distributions;
 - `fused`: `LinearLogits`, logits held as an LM head's factors (hidden states, weight,
   bias), which every primitive here accepts: the same statistics, chunked, with no
-  `[N, V]` logits (`linear_vocab_reduce`);
+  `[N, V]` logits (`linear_vocab_reduce`), and for a loss that is a sum over rows the
+  gradient in the forward (`linear_vocab_gradient`);
 - `stats`: the statistics' pieces both share;
 - `sampling`: top-k / top-p parameters and keep thresholds;
 - `draft_vocab`: the drafter's draft→target vocabulary map.
 """
 
 from compiled_loss.vocab.draft_vocab import DraftVocab, map_teacher_logits_to_draft_vocab
-from compiled_loss.vocab.fused import LinearLogits, per_position
+from compiled_loss.vocab.fused import GRADIENT_CARRIER, LinearLogits, linear_vocab_gradient, per_position
 from compiled_loss.vocab.reduce import (
     VocabStats,
     check_chunk_size,
@@ -33,6 +34,7 @@ from compiled_loss.vocab.sampling import (
 
 __all__ = [
     "DraftVocab",
+    "GRADIENT_CARRIER",
     "LinearLogits",
     "TrainingSamplingParams",
     "VocabStats",
@@ -40,6 +42,7 @@ __all__ = [
     "map_teacher_logits_to_draft_vocab",
     "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",
+    "linear_vocab_gradient",
     "per_position",
     "reverse_kl",
     "sampling_threshold",

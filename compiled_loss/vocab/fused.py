@@ -9,8 +9,13 @@ The statistics come from `linear_vocab_reduce`: the rows go through the LM-head
 projection one static chunk at a time, each chunk's logits exist only while its
 statistics — and its top-k / top-p thresholds (`top_k_top_p`), taken from the very logits
 they filter — are computed, and the backward recomputes them chunk by chunk to produce
-`dH`, `dW` (and `d bias`). The statistics, their merge over tensor-parallel vocabulary
-shards and the pointwise gradient are `vocab_reduce`'s own (`compiled_loss.vocab.stats`).
+`dH`, `dW` (and `d bias`): four matmuls. For a loss that is a sum over rows of a function of
+each row's own statistics, `linear_vocab_gradient` computes each chunk's gradient while its
+logits exist, in the forward: three matmuls, and a backward that only scales them. Each
+chunk is a region compiled once and reused (`torch.compiler.nested_compile_region`), so
+compile time does not grow with the number of chunks. The statistics, their merge over
+tensor-parallel vocabulary shards and the pointwise gradient are `vocab_reduce`'s own
+(`compiled_loss.vocab.stats`).
 Under TP, `weight` is this rank's vocabulary shard, and the gradients are exactly those the
 dense logits `hidden @ weightᵀ` of that shard would give: `dW` of the shard's rows and this
 shard's share of `dH` — summed over the group by whoever replicated `hidden` (Megatron's
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._higher_order_ops.scan import scan
 
 from compiled_loss.parallel import group_rank
 from compiled_loss.vocab.sampling import _thresholds
@@ -41,11 +47,16 @@ Tensor = torch.Tensor
 
 # Default rows per chunk: fp32 logit tiles of ~16 MiB. Any chunk size — the default or the
 # caller's — is raised to at least N / _MAX_CHUNKS rows (and the backward's vocabulary column
-# chunks to V / _MAX_CHUNKS): each chunk is unrolled in the compiled graph, so compile time
-# grows with their number (115 s for 64 chunks against 36 s for 16 at N=2048, V=128256; one
-# row per chunk took 50 s at N=256). Chunking is a memory knob; the values do not depend on it.
+# chunks to V / _MAX_CHUNKS): each chunk of the gradient in the forward differentiates the
+# loss over all N rows, and thin chunks starve the matmuls. Compile time does not depend on
+# the number (a loop / a region compiled once). Chunking is a memory knob; the values do not
+# depend on it.
 _FUSED_CHUNK_ELEMENTS = 1 << 22
 _MAX_CHUNKS = 16
+
+# The loss-input key of the zero that carries the gradient computed in the forward
+# (`linear_vocab_gradient`): the micro-batch entry point adds it to the loss.
+GRADIENT_CARRIER = "gradient_in_forward"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -66,6 +77,11 @@ class LinearLogits:
     weight: Tensor
     bias: Tensor | None = None
     dtype: torch.dtype | None = None
+    objective: Callable[..., Tensor] | None = dataclasses.field(default=None, repr=False)
+    """Set by the micro-batch entry point for a loss that is a sum over tokens
+    (`InputSpec.token_separable`): the loss as a function of its inputs and data,
+    `objective(loss_input, data)`, which lets input preparation compute the gradient in the
+    forward (`linear_vocab_gradient`)."""
 
     def __post_init__(self) -> None:
         if self.hidden.dim() < 1 or self.weight.dim() != 2 or self.hidden.shape[-1] != self.weight.shape[1]:
@@ -139,20 +155,82 @@ def _chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, 
     return [(s, min(s + step, n_rows)) for s in range(0, n_rows, step)] or [(0, 0)]
 
 
+# Each chunk's work is a region compiled once and reused by every chunk of its shape (the
+# last, shorter chunk gets a second one): compile time does not grow with the chunks' number.
+
+
+@torch.compiler.nested_compile_region
+def _reduce_chunk(h, weight, bias, local, in_shard, teacher, top_k_top_p, entropy, group):
+    """One row chunk's statistics (`_shard_stats`) and its top-k / top-p thresholds (None
+    without a filter), taken from the very logits they filter."""
+    x = torch.nn.functional.linear(h, weight, bias).float()
+    threshold = None if top_k_top_p is None else _thresholds(x, *top_k_top_p, group=group)
+    x, _ = _filtered_chunk(x, threshold, False)
+    return *_shard_stats(x, teacher, local, in_shard, entropy), *([] if threshold is None else [threshold])
+
+
+@torch.compiler.nested_compile_region
+def _column_grad_chunk(
+    hidden, weight, bias, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy, grad_hidden
+):
+    """One vocabulary column chunk of the backward: `dH` accumulated (fp32), this chunk's
+    rows of `dW` and `d bias`."""
+    x = torch.nn.functional.linear(hidden, weight, bias).float()
+    g = _chunk_grad(x, None, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy)
+    g = g.to(weight.dtype)
+    grad_bias = [] if bias is None else [g.float().sum(0).to(bias.dtype)]
+    return grad_hidden + (g @ weight).float(), g.t() @ hidden, *grad_bias
+
+
+@torch.compiler.nested_compile_region
+def _row_grad_chunk(
+    h,
+    weight,
+    bias,
+    threshold,
+    teacher,
+    lse,
+    negent,
+    teacher_lse,
+    grads,
+    local,
+    in_shard,
+    live,
+    entropy,
+    grad_weight,
+    grad_bias,
+):
+    """One row chunk of the backward under top-k / top-p (the keep mask from the same logits
+    as in the forward): its rows of `dH`, `dW` and `d bias` accumulated (fp32)."""
+    x = torch.nn.functional.linear(h, weight, bias).float()
+    x, kept = _filtered_chunk(x, threshold, True)
+    g = _chunk_grad(x, kept, teacher, lse, negent, teacher_lse, grads, local, in_shard, live, entropy)
+    g = g.to(weight.dtype)
+    grad_bias = [] if grad_bias is None else [grad_bias + g.float().sum(0)]
+    return g @ weight, grad_weight + (g.t() @ h).float(), *grad_bias
+
+
 class _LinearVocabReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group):
         n, vocab = hidden.shape[0], weight.shape[0]
         local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
-        parts, thresholds = [], []
-        for s, e in _chunks(n, vocab, chunk_size):
-            x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
-            if top_k_top_p is not None:  # from the very logits it filters (a recompute may differ in the last bit)
-                thresholds.append(_thresholds(x, *top_k_top_p, group=group))
-            x, _ = _filtered_chunk(x, thresholds[-1] if thresholds else None, False)
-            parts.append(_shard_stats(x, None if teacher is None else teacher[s:e], local[s:e], in_shard[s:e], entropy))
-        stats, weighted, picked = (torch.cat(p) for p in zip(*parts))
-        threshold = torch.cat(thresholds) if thresholds else None
+        parts = [
+            _reduce_chunk(
+                hidden[s:e],
+                weight,
+                bias,
+                local[s:e],
+                in_shard[s:e],
+                None if teacher is None else teacher[s:e],
+                top_k_top_p,
+                entropy,
+                group,
+            )
+            for s, e in _chunks(n, vocab, chunk_size)
+        ]
+        stats, weighted, picked = (torch.cat(p) for p in list(zip(*parts))[:3])
+        threshold = None if top_k_top_p is None else torch.cat([p[3] for p in parts])
         lse, picked, negent, cross, teacher_lse = _merge_shards(
             stats, weighted, picked, entropy, teacher is not None, group
         )
@@ -163,6 +241,9 @@ class _LinearVocabReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
+        # the per-row inputs as tensors of their own: the compiled chunk regions take no two
+        # arguments that alias each other (upstream gradients may be views of one buffer)
+        grads = tuple(g.clone() for g in grads)
         if threshold is None:
             grad_hidden, grad_weight, grad_bias = _vocab_chunked_backward(
                 hidden,
@@ -210,11 +291,11 @@ def _vocab_chunked_backward(
     grad_weight, grad_bias = [], []
     for a in range(0, vocab, step):
         b = min(a + step, vocab)
-        x = torch.nn.functional.linear(hidden, weight[a:b], None if bias is None else bias[a:b]).float()
         chunk_index, in_chunk = _local_index(local, a, b - a)
-        g = _chunk_grad(
-            x,
-            None,
+        grad_hidden, grad_w, *grad_b = _column_grad_chunk(
+            hidden,
+            weight[a:b],
+            None if bias is None else bias[a:b],
             None if teacher is None else teacher[:, a:b],
             lse,
             negent,
@@ -224,11 +305,10 @@ def _vocab_chunked_backward(
             in_chunk & in_shard,
             live,
             entropy,
-        ).to(weight.dtype)
-        grad_hidden = grad_hidden + (g @ weight[a:b]).float()
-        grad_weight.append(g.t() @ hidden)
-        if bias is not None:
-            grad_bias.append(g.float().sum(0).to(bias.dtype))
+            grad_hidden,
+        )
+        grad_weight.append(grad_w)
+        grad_bias += grad_b
     return (grad_hidden.to(hidden.dtype), torch.cat(grad_weight), None if bias is None else torch.cat(grad_bias))
 
 
@@ -239,15 +319,15 @@ def _row_chunked_backward(
     logits as in the forward)."""
     n, vocab = hidden.shape[0], weight.shape[0]
     live = _live(grads)
-    grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     grad_bias = None if bias is None else torch.zeros(vocab, dtype=torch.float32, device=weight.device)
+    rows = []
     for s, e in _chunks(n, vocab, chunk_size):
-        x = torch.nn.functional.linear(hidden[s:e], weight, bias).float()
-        x, kept = _filtered_chunk(x, threshold[s:e], True)
-        g = _chunk_grad(
-            x,
-            kept,
+        grad_rows, grad_weight, *grad_b = _row_grad_chunk(
+            hidden[s:e],
+            weight,
+            bias,
+            threshold[s:e],
             None if teacher is None else teacher[s:e],
             lse[s:e],
             negent[s:e],
@@ -257,12 +337,12 @@ def _row_chunked_backward(
             in_shard[s:e],
             live[s:e],
             entropy,
-        ).to(weight.dtype)
-        grad_hidden[s:e] = g @ weight
-        grad_weight += (g.t() @ hidden[s:e]).float()
-        if grad_bias is not None:
-            grad_bias += g.float().sum(0)
-    return grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype)
+            grad_weight,
+            grad_bias,
+        )
+        rows.append(grad_rows)
+        grad_bias = grad_b[0] if grad_b else None
+    return torch.cat(rows), grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype)
 
 
 def linear_vocab_reduce(
@@ -288,3 +368,100 @@ def linear_vocab_reduce(
         return VocabStats(
             *_LinearVocabReduce.apply(hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group)
         )
+
+
+def _scan(
+    fn: Callable[..., Any], init: list[Tensor], xs: tuple[Tensor, ...]
+) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+    """`scan(fn, init, xs)`: compiled, one loop in the graph whatever the number of steps; in
+    eager mode a Python loop (plain tensor operations, seen as such by any dispatch mode)."""
+    if torch.compiler.is_compiling():
+        return scan(fn, init, xs)
+    carry, ys = init, []
+    for i in range(xs[0].shape[0]):
+        carry, y = fn(carry, tuple(x[i] for x in xs))
+        ys.append(y)
+    return carry, tuple(torch.stack(y) for y in zip(*ys))
+
+
+class _GradientCarrier(torch.autograd.Function):
+    """A zero whose gradients w.r.t. `hidden`, `weight` and `bias` are the upstream gradient
+    times the ones computed in the forward (`linear_vocab_gradient`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        # An empty sum: exactly 0, and read from an input (a fresh zeros tensor comes out of
+        # an Inductor-compiled graph without a grad_fn)
+        return hidden.flatten()[:0].float().sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scaled = [None if g is None else (g * grad).to(g.dtype) for g in (grad_hidden, grad_weight, grad_bias)]
+        return *scaled, None, None, None
+
+
+def linear_vocab_gradient(
+    logits: LinearLogits,
+    index: Tensor,
+    objective: Callable[[VocabStats], Tensor],
+    chunk_size: int | None,
+    group: Any,
+) -> tuple[VocabStats, Tensor]:
+    """`linear_vocab_reduce` for a scalar `objective` of the row statistics that is a sum over
+    rows of a function of each row's own statistics: the gradient in the forward, three
+    matmuls per chunk instead of four.
+
+    Each chunk of `hidden [N, H]` rows gets its logits (one matmul) and its statistics; the
+    objective's gradient w.r.t. them — `objective` evaluated with this chunk's statistics in
+    their rows (zeros elsewhere: by the sum-over-rows contract no other row's value changes
+    it) — gives the chunk's logit gradient, and from it `dH` and the chunk's share of `dW`
+    (two matmuls). Returns the statistics (detached) and a zero that carries the gradients:
+    added to the loss, its backward hands `hidden`, `weight` and `bias` the upstream gradient
+    times the forward's. The chunks are a loop (`scan`): compiled once whatever their number;
+    the last chunk is padded with zero rows."""
+    if logits.hidden.dim() != 2:
+        raise ValueError(f"linear_vocab_gradient: hidden must be [N, H], got {tuple(logits.hidden.shape)}")
+    hidden, weight, bias = _cast(logits.dtype, logits.hidden, logits.weight, logits.bias)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    step = _chunk_rows(n, vocab, chunk_size)
+    count = max(1, -(-n // step))
+    pad = count * step - n
+    local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
+    rows = torch.nn.functional.pad(hidden.detach(), (0, 0, 0, pad))
+    local = torch.nn.functional.pad(local, (0, 0, 0, pad))
+    in_shard = torch.nn.functional.pad(in_shard, (0, 0, 0, pad))
+    positions = torch.arange(count * step, device=hidden.device)
+    w, b = weight.detach(), None if bias is None else bias.detach()
+
+    def placed(stats: VocabStats, at: Tensor) -> VocabStats:  # a chunk's statistics in their rows, zeros elsewhere
+        return VocabStats(*(t.new_zeros((count * step,) + t.shape[1:]).index_copy(0, at, t)[:n] for t in stats))
+
+    def chunk(accumulated: list[Tensor], xs: tuple[Tensor, ...]) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+        h, local, in_shard, at = xs
+        x = torch.nn.functional.linear(h, w, b).float()
+        stats = VocabStats(*_merge_shards(*_shard_stats(x, None, local, in_shard, False), False, False, group)[:4])
+        grads = tuple(torch.func.grad(lambda chunk_stats: objective(placed(chunk_stats, at)))(stats))
+        g = _chunk_grad(x, None, None, stats.lse, stats.negent, None, grads, local, in_shard, _live(grads), False)
+        g = g.to(w.dtype)
+        grad_weight, *grad_bias = accumulated
+        if h.dtype == torch.float32:
+            grad_weight = torch.addmm(grad_weight, g.t(), h)
+        else:  # accumulated in fp32
+            grad_weight = grad_weight + (g.t() @ h).float()
+        return [grad_weight, *(d + g.float().sum(0) for d in grad_bias)], (*stats, g @ w)
+
+    zeros = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)]
+    if b is not None:
+        zeros.append(torch.zeros(vocab, dtype=torch.float32, device=w.device))
+    xs = (rows, local, in_shard, positions)
+    (grad_weight, *grad_bias), (*stats, grad_hidden) = _scan(
+        chunk, zeros, tuple(t.unflatten(0, (count, step)) for t in xs)
+    )
+    stats = VocabStats(*(t.flatten(0, 1)[:n] for t in stats))
+    grad_bias = grad_bias[0].to(bias.dtype) if grad_bias else None
+    carrier = _GradientCarrier.apply(
+        hidden, weight, bias, grad_hidden.flatten(0, 1)[:n], grad_weight.to(weight.dtype), grad_bias
+    )
+    return stats, carrier

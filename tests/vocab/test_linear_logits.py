@@ -339,7 +339,7 @@ def test_mixed_dtypes_outside_autocast_are_refused_as_linear_refuses_them():
 
 
 def test_a_small_chunk_size_is_raised_to_at_most_16_chunks(monkeypatch):
-    """Each chunk is unrolled in a compiled graph, so a chunk size is raised to N / 16 rows
+    """Thin chunks starve the matmuls, so a chunk size is raised to N / 16 rows
     (and the backward's vocabulary column chunks to V / 16 columns): `chunk_size=1` over 100
     rows and 40 ids projects 15 row chunks of 7 rows forward and 14 column chunks of 3 ids
     backward (15 row chunks with top-k), where it made 100 and 40. The values are the
