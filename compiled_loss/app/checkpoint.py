@@ -192,7 +192,9 @@ def _compatible(path: str, state: dict[str, Any], run: Run) -> list[str]:
         if old.get(f"{group}.name") != new[f"{group}.name"]:
             old = {k: v for k, v in old.items() if not k.startswith(f"{group}.") or k == f"{group}.name"}
             new = {k: v for k, v in new.items() if not k.startswith(f"{group}.") or k == f"{group}.name"}
-    differ = sorted(k for k in (old.keys() | new.keys()) - {"run.resume"} if old.get(k, _UNSET) != new.get(k, _UNSET))
+    # where the run reads its checkpoint and compiled graphs from: no part of what it trains
+    unread = {"run.resume", "run.compile_cache"}
+    differ = sorted(k for k in (old.keys() | new.keys()) - unread if old.get(k, _UNSET) != new.get(k, _UNSET))
     changes = {k: f"{k} {old.get(k, _UNSET)!r} -> {new.get(k, _UNSET)!r}" for k in differ}
     fixed = _DFLASH_FIXED if new["draft.name"] == "dflash" else ()
     refused = [

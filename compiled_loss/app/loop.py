@@ -20,6 +20,7 @@ import logging
 import random
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
 from compiled_loss.app.curves import WARM_START
 from compiled_loss.app.loggers import MetricsLogger, Progress, finite, open_loggers, step_line
 from compiled_loss.app.rollouts import Rollouts
+from compiled_loss.compile import load_compile_cache, save_compile_cache
 from compiled_loss.config import Config, build_draft_runtime, loss_family
 from compiled_loss.config.losses import NllLossOption
 from compiled_loss.demo import cross_tokenizer
@@ -253,14 +255,35 @@ def _train(cfg: Config, output_dir: Path) -> dict[str, Any]:
                 for logger in loggers:
                     logger.log(record["step"], record)
             progress = stack.enter_context(Progress(cfg.run.steps, done, cfg.run.log_every, bar=sys.stderr.isatty()))
-        _steps(cfg, run, output_dir, done, history, loggers, progress)
-    summary = _summary(cfg, history, run, groups.rank, output_dir)
+        cache = _load_compile_cache(cfg.run.compile_cache, lead)
+        _steps(cfg, run, output_dir, done, history, loggers, progress, cache)
+    summary = _summary(cfg, history, run, groups.rank, output_dir, cache)
     name = "summary.json" if lead else f"summary.rank{groups.rank}.json"
     summary = finite(summary, name, reported if lead else None)
     (output_dir / name).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     if lead:
         log.info("%s:\n%s", output_dir / name, json.dumps(summary, indent=2))
     return summary
+
+
+def _load_compile_cache(path: str | None, lead: bool) -> dict[str, Any] | None:
+    """`run.compile_cache` loaded on every rank, before anything compiles; what the summary
+    reports of it (None without one): its path, whether it loaded, the steps it was written
+    after (`_steps` adds them). A file written for another setup is reported and skipped."""
+    if path is None:
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_compile_cache(path)
+    if lead:
+        for warning in caught:
+            log.warning("run.compile_cache: %s", warning.message)
+        if loaded:
+            size = Path(path).stat().st_size / 2**20
+            log.info("run.compile_cache=%s: loaded %.1f MiB of compiled graphs (read, not compiled)", path, size)
+        elif not caught:
+            log.info("run.compile_cache=%s: no such file; written once the first steps compiled", path)
+    return {"path": path, "loaded": loaded, "saved_after_steps": []}
 
 
 def _resume(cfg: Config, run: Run, lead: bool) -> tuple[int, list[dict[str, Any]]]:
@@ -287,10 +310,12 @@ def _steps(
     history: list[dict[str, Any]],
     loggers: list[MetricsLogger],
     progress: Progress | None,
+    cache: dict[str, Any] | None,
 ) -> None:
     """Train the run's steps after step `done`, appending their records to `history`. Rank 0
-    (the one with a `progress`) writes the checkpoints, logs the progress and hands each
-    record to the `loggers`."""
+    (the one with a `progress`) writes the checkpoints, logs the progress, hands each
+    record to the `loggers` and, after a step that compiled, writes `run.compile_cache`
+    (`cache`: `_load_compile_cache`'s) when it lacks something compiled."""
     family, policy, reference, step, warm, rollouts = (
         run.family,
         run.policy,
@@ -346,13 +371,19 @@ def _steps(
         seconds, compiled = time.perf_counter() - start, run.compile_seconds() - compiling
         if compiled:
             log.info("step %d: %.1f s, %.1f s of it compiling", i, seconds, compiled)
+            if cache is not None and save_compile_cache(cache["path"]):
+                cache["saved_after_steps"].append(i)
+                size = Path(cache["path"]).stat().st_size / 2**20
+                log.info("step %d: wrote run.compile_cache=%s (%.1f MiB)", i, cache["path"], size)
         for logger in loggers:
             logger.log(i, record)
         shown = (() if warming else _KEY_METRICS.get(family, ())) + _draft_metrics(cfg)
         progress.step(record, step_line(record, total, shown), seconds, compiled=bool(compiled))
 
 
-def _summary(cfg: Config, history: list[dict[str, Any]], run: Run, rank: int, output_dir: Path) -> dict[str, Any]:
+def _summary(
+    cfg: Config, history: list[dict[str, Any]], run: Run, rank: int, output_dir: Path, cache: dict[str, Any] | None
+) -> dict[str, Any]:
     main = [r for r in history if r["phase"] != WARM_START]
     steady = [r for r, before in zip(main[1:], main) if r["compiles"] == before["compiles"]]  # no compile in it
     tokens, seconds = sum(r["tokens"] for r in main), sum(r["step_seconds"] for r in main)
@@ -379,6 +410,7 @@ def _summary(cfg: Config, history: list[dict[str, Any]], run: Run, rank: int, ou
         "compiles": step.compiles,
         "buckets": len(step.buckets),
         "compile_seconds": run.compile_seconds(),
+        "compile_cache": cache,
         "sampler_compiles": rollouts.sampler.compiles if rollouts.sampler else 0,
         "compile_problems": [p for r in recorders for p in r.report.problems()],
         "parallel": {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "dp": cfg.parallel.dp, "rank": rank},

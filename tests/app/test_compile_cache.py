@@ -1,0 +1,267 @@
+"""`save_compile_cache` / `load_compile_cache` and `run.compile_cache`: torch's portable
+compile-cache artifacts in one file behind a header that names the setup they were
+compiled for; a fresh process (an empty Inductor cache directory) that loads them reads
+its graphs from them instead of compiling them. A missing file loads nothing, a file for
+another setup is skipped with a warning, a file that is no cache raises."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from common import TINY_TASK
+from expecttest import TestCase
+from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, CacheInfo, _serialize_single_cache
+from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+from compiled_loss.app import compose_config
+from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
+from compiled_loss.app.loop import build_run
+from compiled_loss.checks import ConfigError
+from compiled_loss.compile import compile_cache_fingerprint, load_compile_cache, save_compile_cache
+from compiled_loss.config import RunConfig
+from compiled_loss.train.parallel import init_parallel
+
+
+def _artifacts(monkeypatch, **keys: list[str]) -> list[bytes]:
+    """Stand torch's artifact calls in for a process that compiled the Inductor graphs `keys`
+    (kind -> cache keys; none: nothing compiled); the list collects the payloads loaded."""
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    info, serializer = CacheInfo(), AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    for kind, names in keys.items():
+        info.artifacts[kind].extend(names)
+        serializer.append((kind, [CacheArtifactFactory.create(kind, name, f"graph {name}".encode()) for name in names]))
+    saved = (serializer.to_bytes(), info) if keys else None
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: saved)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data) or CacheInfo())
+    return loaded
+
+
+def _payload(path: Path) -> dict[str, list[tuple[str, bytes]]]:
+    """The artifacts (kind -> key, content) in the file at `path`."""
+    data = path.read_bytes()
+    artifacts = CacheArtifactManager.deserialize(data[data.index(b"\n", len(b"compiled_loss compile cache 1\n")) + 1 :])
+    return {kind: [(a.key, a.content) for a in found] for kind, found in artifacts.items()}
+
+
+def _header(path: Path) -> dict:
+    with path.open("rb") as f:
+        assert f.readline() == b"compiled_loss compile cache 1\n"
+        return json.loads(f.readline())
+
+
+def test_a_missing_file_loads_nothing(monkeypatch, tmp_path):
+    loaded = _artifacts(monkeypatch)
+    assert load_compile_cache(tmp_path / "absent.bin") is False
+    assert loaded == []
+
+
+def test_nothing_compiled_writes_nothing(monkeypatch, tmp_path):
+    _artifacts(monkeypatch)
+    assert save_compile_cache(tmp_path / "cache.bin") is False
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_writes_the_artifacts_behind_a_header_and_load_hands_them_to_torch(monkeypatch, tmp_path):
+    path = tmp_path / "deep" / "er" / "cache.bin"
+    loaded = _artifacts(monkeypatch, inductor=["fx2", "fx1"], aot_autograd=["aot"])
+    assert save_compile_cache(path) is True  # parent directories created
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cache.bin"]  # no temporary file left
+    payload = torch.compiler.save_cache_artifacts()[0]
+    assert _header(path) == {
+        **compile_cache_fingerprint(),
+        "bytes": len(payload),
+        "artifacts": {"inductor": ["fx1", "fx2"], "aot_autograd": ["aot"]},
+    }
+    assert _payload(path) == {
+        "inductor": [("fx2", b"graph fx2"), ("fx1", b"graph fx1")],
+        "aot_autograd": [("aot", b"graph aot")],
+    }
+    assert load_compile_cache(path) is True
+    assert loaded == [payload]
+
+
+def test_the_batches_of_several_saves_in_one_process_reach_the_file_as_one_per_kind(monkeypatch, tmp_path):
+    # a process that saved after each of two steps: torch returns one batch per save and kind,
+    # of which its loader keeps the last per kind; the file holds both steps' graphs
+    path = tmp_path / "cache.bin"
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    for kind, name in (("inductor", "fx1"), ("aot_autograd", "aot1"), ("inductor", "fx2")):
+        serializer.append((kind, [CacheArtifactFactory.create(kind, name, name.encode())]))
+    info = CacheInfo()
+    info.artifacts.update(inductor=["fx1", "fx2"], aot_autograd=["aot1"])
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (serializer.to_bytes(), info))
+    assert save_compile_cache(path) is True
+    assert _payload(path) == {"inductor": [("fx1", b"fx1"), ("fx2", b"fx2")], "aot_autograd": [("aot1", b"aot1")]}
+
+
+def test_save_leaves_a_file_that_holds_every_artifact_and_rewrites_one_that_lacks_some(monkeypatch, tmp_path):
+    path = tmp_path / "cache.bin"
+    _artifacts(monkeypatch, inductor=["fx1", "fx2"])
+    assert save_compile_cache(path) is True
+    _artifacts(monkeypatch, inductor=["fx2"])  # a process that loaded it and compiled nothing new
+    assert save_compile_cache(path) is False
+    assert [key for key, _ in _payload(path)["inductor"]] == ["fx1", "fx2"]
+    _artifacts(monkeypatch, inductor=["fx2", "fx3"])  # one graph the file lacks
+    assert save_compile_cache(path) is True
+    assert _header(path)["artifacts"] == {"inductor": ["fx2", "fx3"]}
+
+
+class TestRefusals(TestCase):
+    @pytest.fixture(autouse=True)
+    def _setup(self, monkeypatch, tmp_path):
+        self.path = tmp_path / "cache.bin"
+        _artifacts(monkeypatch, inductor=["fx1"])
+        assert save_compile_cache(self.path)
+        self.loaded = _artifacts(monkeypatch)
+
+    def _error(self) -> str:
+        with pytest.raises(ValueError) as info:
+            load_compile_cache(self.path)
+        assert self.loaded == []
+        return str(info.value).replace(str(self.path), "PATH")
+
+    def test_a_file_for_another_setup_is_skipped_with_a_warning_naming_what_differs(self):
+        data = self.path.read_bytes()
+        self.path.write_bytes(data.replace(f'"torch": "{torch.__version__}"'.encode(), b'"torch": "2.12.0"'))
+        with pytest.warns(UserWarning) as caught:
+            assert load_compile_cache(self.path) is False
+        assert self.loaded == []
+        self.assertExpectedInline(
+            str(caught[0].message).replace(str(self.path), "PATH").replace(torch.__version__, "VERSION"),
+            """compile cache PATH not loaded: written for another setup (torch '2.12.0', here 'VERSION'); everything compiles anew""",
+        )
+
+    def test_a_file_that_is_no_cache_raises(self):
+        self.path.write_bytes(b"PK\x03\x04 a checkpoint, say" * 1000)
+        self.assertExpectedInline(
+            self._error(), """compile cache PATH: it is no compile cache (save_compile_cache writes one)"""
+        )
+
+    def test_a_truncated_file_raises(self):
+        self.path.write_bytes(self.path.read_bytes()[:-1])
+        self.assertExpectedInline(
+            self._error(), """compile cache PATH: it is truncated or corrupt (save_compile_cache writes one)"""
+        )
+
+    def test_a_directory_raises(self):
+        self.path.unlink()
+        self.path.mkdir()
+        self.assertExpectedInline(self._error(), """compile cache PATH: not a file""")
+
+    def test_an_empty_path_is_refused_when_the_config_loads(self):
+        with pytest.raises(ConfigError) as info:
+            RunConfig(compile_cache="")
+        self.assertExpectedInline(str(info.value), """run.compile_cache must name a file or be null, got ''""")
+
+
+def test_a_resume_reads_its_graphs_from_any_compile_cache(tmp_path):
+    # like run.resume, where a run reads its compiled graphs from is no part of what it trains
+    overrides = [*TINY_TASK, "compile.enabled=false", "run.steps=2", "run.sft_steps=1"]
+    cfg = compose_config(*overrides, f"run.compile_cache={tmp_path / 'written_with.bin'}")
+    run = build_run(cfg, init_parallel(cfg.parallel))
+    checkpoint = save_checkpoint(tmp_path / "checkpoints", run, 1, [])
+    for other in ([], [f"run.compile_cache={tmp_path / 'another.bin'}"]):
+        resumed = dataclasses.replace(run, cfg=compose_config(*overrides, *other))
+        assert load_checkpoint(str(checkpoint), resumed)[::2] == (1, [])  # its step; no change reported
+
+
+# Compiles f's forward and backward, then g's forward, with Inductor in a fresh process, and
+# saves after each (as the runner does after each phase's first step) or loads before both;
+# prints Inductor's and AOTAutograd's cache counters, what it loaded and saved, and the results.
+_PROCESS = textwrap.dedent(
+    """
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    from compiled_loss.compile import load_compile_cache, save_compile_cache
+    path, mode = sys.argv[1:]
+    loaded = load_compile_cache(path) if mode == "load" else None
+    def f(x, w):
+        return torch.log_softmax(x @ w, dim=-1).amax(dim=-1).sum()
+    def g(x):
+        return torch.softmax(x * 3, dim=0).cumsum(dim=1)
+    x, w = torch.linspace(-1, 1, 64).reshape(8, 8), torch.linspace(-2, 2, 96).reshape(8, 12).requires_grad_()
+    torch.compile(f, backend="inductor")(x, w).backward()
+    saved = [save_compile_cache(path)] if mode == "save" else []
+    y = torch.compile(g, backend="inductor")(x)
+    saved += [save_compile_cache(path)] if mode == "save" else []
+    print(json.dumps({"loaded": loaded, "saved": saved, "inductor": dict(counters["inductor"]),
+                      "aot_autograd": dict(counters["aot_autograd"]), "grad": w.grad.tolist(), "y": y.tolist()}))
+    """
+)
+
+
+def _fresh_process(tmp_path: Path, name: str, *args: str) -> dict:
+    """`_PROCESS` with an empty Inductor cache directory of its own: a machine that compiled nothing."""
+    cache_dir = tmp_path / f"inductor_{name}"
+    cache_dir.mkdir()
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROCESS, *args], env=env, capture_output=True, text=True, timeout=600, check=True
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # two processes compile with Inductor
+def test_a_fresh_process_given_the_file_reads_every_graph_instead_of_compiling_it(tmp_path):
+    path = tmp_path / "cache" / "compile.bin"
+    first = _fresh_process(tmp_path, "first", str(path), "save")
+    assert first["saved"] == [True, True] and path.is_file()
+    # f's forward and backward, g's forward
+    assert first["inductor"].get("fxgraph_cache_miss") == 3 and "fxgraph_cache_hit" not in first["inductor"]
+    compiled_by_aot = first["aot_autograd"].get("autograd_cache_miss")
+    assert compiled_by_aot in (1, 2)  # f's; g's too where its inference graph is cacheable
+    assert {kind: len(keys) for kind, keys in _header(path)["artifacts"].items()} == {
+        "inductor": 3,
+        "aot_autograd": compiled_by_aot,
+    }
+    second = _fresh_process(tmp_path, "second", str(path), "load")
+    assert second["loaded"] is True
+    # every graph of both saves read from the artifacts, compiled by neither Inductor nor AOTAutograd
+    assert second["inductor"].get("fxgraph_cache_hit") == 3 and "fxgraph_cache_miss" not in second["inductor"]
+    assert second["aot_autograd"].get("autograd_cache_hit") == compiled_by_aot
+    assert "autograd_cache_miss" not in second["aot_autograd"]
+    assert (second["grad"], second["y"]) == (first["grad"], first["y"])
+
+
+def _run(tmp_path: Path, name: str, cache: Path) -> tuple[dict, str]:
+    """The runner at test size in a fresh process with an empty Inductor cache directory."""
+    cache_dir, out = tmp_path / f"inductor_{name}", tmp_path / name
+    cache_dir.mkdir()
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    overrides = [*TINY_TASK, "run.steps=2", "run.sft_steps=1", f"run.compile_cache={cache}", f"hydra.run.dir={out}"]
+    subprocess.run(
+        [sys.executable, "-m", "compiled_loss.run", *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    return json.loads((out / "summary.json").read_text()), (out / "run.log").read_text()
+
+
+@pytest.mark.slow  # two runs compile the sampler and both training steps with Inductor
+def test_the_runner_writes_its_compile_cache_and_a_fresh_run_reads_it(tmp_path):
+    cache = tmp_path / "cc" / "cache.bin"
+    first, log = _run(tmp_path, "first", cache)  # no file yet: a cold run that writes it
+    assert first["compile_cache"] == {"path": str(cache), "loaded": False, "saved_after_steps": [1, 2]}
+    assert f"run.compile_cache={cache}: no such file" in log and f"step 2: wrote run.compile_cache={cache}" in log
+    artifacts = _header(cache)["artifacts"]
+    assert len(artifacts["inductor"]) >= 4 and len(artifacts["aot_autograd"]) >= 2  # the sampler's and the steps'
+    second, log = _run(tmp_path, "second", cache)
+    # it loaded the file, and no step compiled a graph the file lacks: nothing to write back
+    assert second["compile_cache"] == {"path": str(cache), "loaded": True, "saved_after_steps": []}
+    assert f"run.compile_cache={cache}: loaded" in log and "wrote run.compile_cache" not in log
+    assert second["compiles"] == first["compiles"] and second["compile_problems"] == []
+    assert second["first_loss"] == pytest.approx(first["first_loss"], rel=1e-5, abs=1e-6)
+    assert _header(cache)["artifacts"] == artifacts
