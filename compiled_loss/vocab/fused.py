@@ -420,13 +420,13 @@ def linear_vocab_gradient(
     (two matmuls). Returns the statistics (detached) and a zero that carries the gradients:
     added to the loss, its backward hands `hidden`, `weight` and `bias` the upstream gradient
     times the forward's. The chunks are a loop (`scan`): compiled once whatever their number;
-    the last chunk is padded with zero rows."""
+    the chunks are balanced and the last padded with zero rows."""
     if logits.hidden.dim() != 2:
         raise ValueError(f"linear_vocab_gradient: hidden must be [N, H], got {tuple(logits.hidden.shape)}")
     hidden, weight, bias = _cast(logits.dtype, logits.hidden, logits.weight, logits.bias)
     n, vocab = hidden.shape[0], weight.shape[0]
-    step = _chunk_rows(n, vocab, chunk_size)
-    count = max(1, -(-n // step))
+    count = max(1, -(-n // _chunk_rows(n, vocab, chunk_size)))
+    step = max(1, -(-n // count))  # balanced chunks: fewer than `count` padding rows
     pad = count * step - n
     local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
     rows = torch.nn.functional.pad(hidden.detach(), (0, 0, 0, pad))
