@@ -1,5 +1,5 @@
 """`python tools/bench.py`: speed and peak memory of a packed GRPO loss, side by side
-(`python tools/bench.py head --help`: the LM head + loss from hidden states, beside Liger).
+(`python tools/bench.py head --help`: the LM head + loss from hidden states, beside Liger and CCE).
 
 One run measures, per shape (packed logits `[1, T, V]`, `seqs` sequences, dtype) and per
 direction (`fwd`: the forward half of a training step, logits requiring grad, autograd
