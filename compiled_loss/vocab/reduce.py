@@ -126,8 +126,8 @@ def vocab_reduce(
 
     `logits` may be a `LinearLogits` (`[N, H]` hidden states and the LM head): the same
     statistics without the `[N, V]` logits, `chunk_size` rows at a time compiled or not
-    (raised to `N / 16` rows where it would make more than 16 chunks: each chunk is
-    unrolled in a compiled graph; the values do not depend on the chunking), with the
+    (raised to `N / 16` rows where it would make more than 16 chunks; the values do not
+    depend on the chunking), with the
     gradients of the hidden states, weight and bias (`linear_vocab_reduce`); its filter is
     `top_k_top_p` (thresholds taken from each chunk's logits in the same pass).
     """
