@@ -1,7 +1,8 @@
 """Training curves of embedded runs: one PNG of per-step panels (matplotlib, optional).
 
 Panels: reward (and DPO's held-out preference accuracy), loss, KL to the reference,
-entropy, importance ratios and training tokens/s, against the global step. The warm
+entropy, importance ratios, training tokens/s and, for a run with `run.speculative`, the
+sampler's acceptance length and speed-up, against the global step. The warm
 start is shaded and labelled `SFT`; the loss's steps carry its name. Several runs
 overlay in one figure, one colour per run.
 """
@@ -21,6 +22,10 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("entropy (sampled −log p; approx_entropy dashed)", (("entropy", "-"), ("approx_entropy", "--"))),
     ("importance ratio (sampling; probs_ratio dashed)", (("sampling_importance_ratio", "-"), ("probs_ratio", "--"))),
     ("training tokens/s", (("tokens_per_s", "-"),)),
+    (
+        "speculative decoding: τ (tokens per policy forward); speed-up over plain decoding dashed",
+        (("speculative_tau", "-"), ("speculative_speedup", "--")),
+    ),
 )
 WARM_START = "sft"  # the phase name of warm-start steps in `metrics.jsonl`; the others carry the loss's name
 
@@ -61,13 +66,18 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), sharex=True)
+    # the speculative-decoding panel only for runs that log it
+    panels = [p for p in PANELS if p is not PANELS[-1] or any(k in r for _, rs in runs for r in rs for k, _ in p[1])]
+    rows = -(-len(panels) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 3.75 * rows), sharex=True)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (label, records), colour in zip(runs, colours * (len(runs) // len(colours) + 1)):
         warm = [r["step"] for r in records if r.get("phase") == WARM_START]
         main = sorted({r["phase"] for r in records if r.get("phase") != WARM_START})
         name = f"{label} ({', '.join(([WARM_START.upper()] if warm else []) + main)})"
-        for ax, (title, keys) in zip(axes.flat, PANELS):
+        for ax, (title, keys) in zip(axes.flat, panels):
             for key, style in keys:
                 points = [(r["step"], r[key]) for r in records if key in r]
                 if points:
@@ -82,10 +92,10 @@ def plot_runs(runs: list[tuple[str, list[dict[str, Any]]]], out: Path) -> Path:
                 ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color=colour, alpha=0.06)
                 ax.axvline(max(warm) + 0.5, color=colour, ls="--", lw=0.8)
     axes.flat[1].set_yscale("symlog", linthresh=0.1)  # the warm start's NLL dwarfs a policy loss near 0
-    for ax, (title, _) in zip(axes.flat, PANELS):
+    for ax, (title, _) in zip(axes.flat, panels):
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-    for ax in axes[-1]:
+    for ax in axes.flat[len(panels) - 3 : len(panels)]:
         ax.set_xlabel("step (shaded: SFT warm start)")
     axes.flat[0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()

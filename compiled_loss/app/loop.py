@@ -63,12 +63,14 @@ _KEY_METRICS = {
 def _draft_metrics(cfg: Config) -> tuple[str, ...]:
     """The draft metrics shown on the per-step line: its loss and how well it agrees with
     the policy (EAGLE-3: top-1 agreement at the first and last TTT step; DFlash: τ, the
-    first slot's accept rate and top-1 agreement)."""
+    first slot's accept rate and top-1 agreement) and, with `run.speculative`, the sampler's
+    acceptance length and speed-up over plain decoding."""
+    speculative = ("speculative_tau", "speculative_speedup") if cfg.run.speculative else ()
     if cfg.draft.name == "eagle3":
         last = cfg.draft.ttt_steps - 1
-        return ("draft_loss", "draft_full_acc@0") + ((f"draft_full_acc@{last}",) if last else ())
+        return ("draft_loss", "draft_full_acc@0") + ((f"draft_full_acc@{last}",) if last else ()) + speculative
     if cfg.draft.name == "dflash":
-        return "draft_loss", "draft_tau", "draft_accept_rate@1", "draft_acc@1"
+        return ("draft_loss", "draft_tau", "draft_accept_rate@1", "draft_acc@1") + speculative
     return ()
 
 
@@ -132,8 +134,8 @@ class Run:
     def recorders(self) -> list[CompileRecorder]:
         """The compile recorders of both steps and the sampler (none where nothing compiles)."""
         found = [r for s in (self.step, self.warm) for r in (s.recorder, s.model_recorder) if r is not None]
-        sampler = self.rollouts.sampler
-        return found + ([sampler.recorder] if sampler is not None and sampler.recorder is not None else [])
+        samplers = (self.rollouts.sampler, self.rollouts.speculative)
+        return found + [s.recorder for s in samplers if s is not None and s.recorder is not None]
 
     def compile_seconds(self) -> float:
         """The seconds spent compiling so far."""
@@ -202,7 +204,9 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
     )
     step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
     warm = build_train_step(dataclasses.replace(cfg, loss=NllLossOption()), policy, warm_optimizer, groups, drafter)
-    rollouts = Rollouts(cfg, family, groups, rng, policy=policy, reference=models.reference, teacher=models.teacher)
+    rollouts = Rollouts(
+        cfg, family, groups, rng, policy=policy, reference=models.reference, teacher=models.teacher, drafter=drafter
+    )
     return Run(
         cfg=cfg,
         groups=groups,
@@ -359,7 +363,7 @@ def _steps(
             "padding_fraction": 1 - result.tokens / result.slots,
             "step_seconds": result.seconds,
             "slots": result.slots,
-            "compiles": step.compiles + warm.compiles + (rollouts.sampler.compiles if rollouts.sampler else 0),
+            "compiles": step.compiles + warm.compiles + rollouts.compiles,
         }
         history.append(record)
         if lead and cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):
@@ -411,7 +415,7 @@ def _summary(
         "buckets": len(step.buckets),
         "compile_seconds": run.compile_seconds(),
         "compile_cache": cache,
-        "sampler_compiles": rollouts.sampler.compiles if rollouts.sampler else 0,
+        "sampler_compiles": rollouts.compiles,
         "compile_problems": [p for r in recorders for p in r.report.problems()],
         "parallel": {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "dp": cfg.parallel.dp, "rank": rank},
         "output_dir": str(output_dir),

@@ -1,9 +1,10 @@
 """The batches of a run's steps: on-policy rollouts from the policy being trained.
 
 Every step draws `data.prompts` task prompts (the same on every rank) and samples
-`data.group_size` responses to each from the policy with the compiled `Sampler`; a
-data-parallel replica samples its own contiguous share of those rows. Then, per loss
-family:
+`data.group_size` responses to each from the policy with the compiled `Sampler` — with
+`run.speculative`, the `SpeculativeSampler` and the co-trained drafter, and then the plain
+sampler again on the same rows, only timed —; a data-parallel replica samples its own
+contiguous share of those rows. Then, per loss family:
 
 - `policy_gradient`: the sampled rows, their rewards, GRPO advantages over each group and
   the sampler's log-probs as `generation_logprobs`;
@@ -21,7 +22,10 @@ family:
 `rollout` then adds the model outputs the family's loss reads. Each batch comes with its
 statistics over the global batch: `reward` (mean), `solved` (the fraction answered
 exactly), `entropy` (the mean −log-prob of the sampled tokens, an estimate of the
-sampling distribution's per-token entropy), `response_length` and `sample_seconds`.
+sampling distribution's per-token entropy), `response_length` and `sample_seconds`; with
+`run.speculative` also `speculative_tau` (the tokens a row gains per policy forward, over
+the global batch) and `speculative_speedup` (this replica's plain decoding time over its
+speculative sampling time, same rows).
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from compiled_loss.app.batches import (
     sample_batch,
 )
 from compiled_loss.app.sampler import Sampler, Samples, sampling_uniforms
+from compiled_loss.app.speculative import SpeculativeSampler, speculative_uniforms
 from compiled_loss.config import Config, Family
 from compiled_loss.demo.data import Prompts, correct_batch, sampled_batch, score, task_prompts
 from compiled_loss.demo.hf import Policy
 from compiled_loss.demo.model import TinyLM
+from compiled_loss.draft import DraftRuntimeBase
 from compiled_loss.train.parallel import ParallelGroups, all_reduce_host
 
 Tensor = torch.Tensor
@@ -68,12 +74,15 @@ class Rollouts:
         policy: Policy,
         reference: Policy,
         teacher: TinyLM | None = None,
+        drafter: DraftRuntimeBase | None = None,
     ) -> None:
         self.cfg, self.family, self.groups, self.rng = cfg, family, groups, rng
         self.policy, self.reference, self.teacher = policy, reference, teacher
         self.rows = cfg.data.prompts * cfg.data.group_size  # of the global batch
         self.local = self.rows // groups.sizes[2]
         self.sampler = Sampler(cfg, policy, self.local) if family != "value" else None
+        speculative = cfg.run.speculative and drafter is not None
+        self.speculative = SpeculativeSampler(cfg, policy, drafter, self.local) if speculative else None
         held_out = dataclasses.replace(cfg.data, prompts=_HELD_OUT_PAIRS)
         self.held_out = (
             sample_batch(held_out, cfg.model.vocab_size, random.Random(cfg.run.seed + 1), pairs=True)
@@ -81,29 +90,46 @@ class Rollouts:
             else None
         )
 
+    @property
+    def compiles(self) -> int:
+        """The graphs the samplers compiled."""
+        return sum(s.compiles for s in (self.sampler, self.speculative) if s is not None)
+
     def _share(self) -> slice:
         """This replica's rows of the global batch."""
         return slice(self.groups.dp_rank * self.local, (self.groups.dp_rank + 1) * self.local)
 
     def _sample(self, prompts: Prompts, step: int) -> tuple[Samples, Tensor, dict[str, float]]:
         """This replica's share of `prompts` (global rows) sampled, its rewards and the global statistics."""
+        seed, slots, share = self.cfg.run.seed, self.sampler.response_len, self._share()
+        local = prompts.rows(share)
         start = time.perf_counter()
-        uniforms = sampling_uniforms(self.cfg.run.seed, step, self.rows, self.sampler.response_len)
-        local = prompts.rows(self._share())
-        samples = self.sampler(local, uniforms[self._share()], step=step)
+        if self.speculative is None:
+            samples = self.sampler(local, sampling_uniforms(seed, step, self.rows, slots)[share], step=step)
+        else:
+            samples = self.speculative(local, speculative_uniforms(seed, step, self.rows, slots)[share], step=step)
+        seconds = time.perf_counter() - start
         rewards = score(local, samples.tokens, samples.lengths)
         mask = torch.arange(samples.tokens.shape[1]) < samples.lengths[:, None]
-        sums = torch.stack(
+        counts = [samples.tokens_per_round, samples.row_rounds] if self.speculative is not None else []
+        sums = torch.tensor(
             [rewards.sum(), (rewards == 1).sum(), -(samples.logprobs * mask).sum(), mask.sum(), samples.lengths.sum()]
-        ).double()
-        reward, solved, neg_logprob, tokens, length = all_reduce_host(sums, self.groups.dp).tolist()  # host
+            + counts,
+            dtype=torch.float64,
+        )
+        reward, solved, neg_logprob, tokens, length, *counts = all_reduce_host(sums, self.groups.dp).tolist()  # host
         stats = {
             "reward": reward / self.rows,
             "solved": solved / self.rows,
             "entropy": neg_logprob / tokens,
             "response_length": length / self.rows,
-            "sample_seconds": time.perf_counter() - start,
+            "sample_seconds": seconds,
         }
+        if self.speculative is not None:  # against plain decoding of the same prompts, timed here
+            start = time.perf_counter()
+            self.sampler(local, sampling_uniforms(seed, step, self.rows, slots)[share], step=step)
+            stats["speculative_tau"] = counts[0] / max(counts[1], 1)
+            stats["speculative_speedup"] = (time.perf_counter() - start) / seconds
         return samples, rewards, stats
 
     def preference_accuracy(self) -> float:

@@ -48,6 +48,25 @@ def sampling_uniforms(seed: int, step: int, rows: int, slots: int) -> Tensor:
     return torch.rand(rows, slots, generator=generator)
 
 
+def log_probs(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float) -> Tensor:
+    """`[..., V]` fp32 log-probs of `softmax(logits / temperature)` under the top-k / top-p
+    filter (`-inf` at the filtered ids): the distribution the sampler draws from."""
+    x = logits.float().flatten(0, -2) / temperature
+    if (top_k is not None and top_k > 0) or top_p != 1.0:
+        x = torch.where(x >= sampling_threshold(x, top_k, top_p)[:, None], x, float("-inf"))
+    return torch.log_softmax(x, -1).view(logits.shape)
+
+
+def draw(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One id per row of `probs [..., V]` (any non-negative weights) by inverse CDF with
+    `uniforms [...]` in [0, 1); a row that is not finite gets an id inside the vocabulary."""
+    cdf = probs.cumsum(-1)
+    total = cdf[..., -1:]  # the largest point below the total keeps the draw on an id of positive weight
+    point = torch.minimum(uniforms[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    # a NaN / inf row has a NaN cdf: searchsorted answers V there, one past the vocabulary
+    return torch.searchsorted(cdf, point, right=True).clamp(max=probs.shape[-1] - 1)[..., 0]
+
+
 def _pick(
     logits: Tensor, uniforms: Tensor, *, temperature: float, top_k: int | None, top_p: float, alive: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -55,17 +74,9 @@ def _pick(
     `softmax(logits / temperature)` under the top-k / top-p filter, its log-prob, and which
     rows are still alive after it. Rows no longer `alive` get PAD and log-prob 0; a row
     whose logits are not finite gets an id inside the vocabulary and log-prob NaN."""
-    x = logits.float() / temperature
-    if (top_k is not None and top_k > 0) or top_p != 1.0:
-        x = torch.where(x >= sampling_threshold(x, top_k, top_p)[:, None], x, float("-inf"))
-    logp = torch.log_softmax(x, -1)
-    cdf = logp.exp().cumsum(-1)
-    total = cdf[:, -1:]  # the largest point below the total keeps the draw on a kept token
-    point = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    # a NaN / inf row has a NaN cdf: searchsorted answers V there, one past the vocabulary
-    tokens = torch.searchsorted(cdf, point, right=True).clamp(max=x.shape[-1] - 1)
-    picked = torch.where(total[:, 0].isfinite(), logp.gather(-1, tokens)[:, 0], float("nan"))
-    tokens = tokens[:, 0]
+    logp = log_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = draw(logp.exp(), uniforms)
+    picked = torch.where(logp.exp().sum(-1).isfinite(), logp.gather(-1, tokens[:, None])[:, 0], float("nan"))
     return torch.where(alive, tokens, PAD), torch.where(alive, picked, 0.0), alive & (tokens != EOS)
 
 
@@ -81,6 +92,19 @@ def _next(model: Policy, tokens: Tensor, positions: Tensor, alive: Tensor, cache
     logits, cache = model.decode(tokens, positions, cache)
     tokens, logprobs, alive = pick(logits, uniforms, alive=alive)
     return tokens, logprobs, alive, positions + 1, cache
+
+
+def check_finite(logprobs: Tensor, step: int | None) -> None:
+    """`FloatingPointError` naming the first row and response slot whose sampled log-prob
+    `logprobs [n, R]` (on the host) is NaN: the policy's logits there were not finite."""
+    diverged = logprobs.isnan()
+    if diverged.any():  # host
+        row, slot = diverged.nonzero()[0].tolist()  # host
+        who = "Sampler" if step is None else f"Sampler (step {step})"
+        raise FloatingPointError(
+            f"{who}: the policy's logits for row {row} at response slot {slot} are not finite (NaN or inf): "
+            "the policy has diverged, there is no distribution to sample from"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,14 +158,7 @@ class Sampler:
             drawn.append(tokens)
             drawn_logprobs.append(logprobs)
         tokens_nr, logprobs_nr = torch.stack(drawn, 1).cpu(), torch.stack(drawn_logprobs, 1).cpu()
-        diverged = logprobs_nr.isnan()  # on the host already: no further sync
-        if diverged.any():  # host
-            row, slot = diverged.nonzero()[0].tolist()  # host
-            who = "Sampler" if step is None else f"Sampler (step {step})"
-            raise FloatingPointError(
-                f"{who}: the policy's logits for row {row} at response slot {slot} are not finite (NaN or inf): "
-                "the policy has diverged, there is no distribution to sample from"
-            )
+        check_finite(logprobs_nr, step)
         ended = tokens_nr == EOS
         lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, self.response_len)
         return Samples(tokens_nr, logprobs_nr, lengths)

@@ -234,6 +234,12 @@ class RunConfig:
     compile_cache: str | None = None
     """A file of torch's portable compile-cache artifacts: loaded at start when it exists (a graph it holds is read,
     not compiled), written after a step that compiled something it lacks (rank 0; `save_compile_cache`)."""
+    speculative: bool = False
+    """Sample with speculative decoding: the co-trained drafter (draft=eagle3 or dflash) proposes speculative_tokens
+    tokens a round and the policy verifies them in one forward, its distribution kept exactly
+    (`compiled_loss.app.speculative`); each step also times plain decoding of the same prompts for the speed-up."""
+    speculative_tokens: int = 4
+    """γ: the tokens the drafter proposes a round (>= 1; draft=dflash: <= draft.block_size - 1)."""
 
     def warm_start_steps(self, family: str) -> int:
         """The steps of the warm start of a run whose loss is of `family`: `sft_steps`, none for a value head."""
@@ -241,7 +247,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _fields(self, "run")
-        _at_least(self, "run", 1, "steps", "micro_batches", "log_every")
+        _at_least(self, "run", 1, "steps", "micro_batches", "log_every", "speculative_tokens")
         _at_least(self, "run", 0, "sft_steps", "save_every", "keep_last")
         require(
             isinstance(self.loggers, list) and all(isinstance(name, str) for name in self.loggers),

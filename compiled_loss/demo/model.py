@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiled_loss.config import ModelConfig
+from compiled_loss.draft.runtime import aux_hidden_states
 from compiled_loss.vocab import LinearLogits
 
 Tensor = torch.Tensor
@@ -31,16 +32,17 @@ class Block(nn.Module):
         self.down = nn.Linear(cfg.mlp_ratio * h, h, bias=False)
 
     def forward(
-        self, x: Tensor, mask: Tensor, cache: Tensor | None = None, write: Tensor | None = None
+        self, x: Tensor, mask: Tensor, cache: Tensor | None = None, slots: Tensor | None = None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """`x [R, L, H]`, `mask` broadcastable to `[R, heads, L, keys]` → the block's output
         and the keys and values attention read (`[R, heads, keys, H / heads]` each). With a
-        `cache` (`[2, R, heads, C, H / heads]`) this call's keys and values replace its
-        slots where `write` (`[R, 1, C, 1]`) is true, and attention reads the whole cache."""
+        `cache` (`[2, R, heads, C, H / heads]`) this call's keys and values go to the cache
+        slots `slots [R, L]`, and attention reads the whole cache."""
         rows, length, hidden = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(rows, length, 3, self.heads, -1).transpose(1, 3).unbind(2)
         if cache is not None:
-            k, v = torch.where(write, k, cache[0]), torch.where(write, v, cache[1])
+            index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            k, v = cache[0].scatter(2, index, k), cache[1].scatter(2, index, v)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(attn.transpose(1, 2).reshape(rows, length, hidden))
         return x + self.down(F.gelu(self.up(self.norm2(x)))), (k, v)
@@ -96,31 +98,48 @@ class TinyLM(nn.Module):
         logits = F.linear(self.norm(x), weight)
         return (logits, hidden) if return_hidden else logits
 
-    def prefill(self, input_ids: Tensor, lengths: Tensor, cache_len: int) -> tuple[Tensor, Tensor]:
+    def prefill(
+        self, input_ids: Tensor, lengths: Tensor, cache_len: int, aux_layers: tuple[int, ...] = ()
+    ) -> tuple[Tensor, ...]:
         """Prompts `input_ids [R, P]` (row `r`'s first `lengths[r]` tokens; the rest is
         padding) → the logits after each prompt's last token `[R, V]` and the key/value
-        cache `[layers, 2, R, heads, cache_len, H / heads]` (slots past `P` empty)."""
+        cache `[layers, 2, R, heads, cache_len, H / heads]` (slots past `P` empty); with
+        `aux_layers` also the outputs of those decoder layers at every prompt slot,
+        concatenated `[R, P, A·H]` (what a drafter reads)."""
         rows, width = input_ids.shape
         index = torch.arange(width, device=input_ids.device)
         x = self.embed(input_ids) + self.pos(index.expand(rows, width))
         mask = (index[None, :] <= index[:, None])[None, None]
-        caches = []
+        caches, hidden = [], [x]
         for block in self.blocks:
             x, keys_values = block(x, mask)
             caches.append(F.pad(torch.stack(keys_values), (0, 0, 0, cache_len - width)))
+            hidden.append(x)
         last = x.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
-        return F.linear(self.norm(last), self.head.weight), torch.stack(caches)
+        out = F.linear(self.norm(last), self.head.weight), torch.stack(caches)
+        return out + (aux_hidden_states(hidden, aux_layers),) if aux_layers else out
+
+    def extend(
+        self, tokens: Tensor, positions: Tensor, cache: Tensor, aux_layers: tuple[int, ...] = ()
+    ) -> tuple[Tensor, ...]:
+        """`n` tokens per row (`tokens [R, n]`, the first at `positions [R]`) over the cache
+        of `prefill`: their keys and values go to slots `positions[r] + i`, token `i`
+        attends to the slots up to its own. Returns the next-token logits `[R, n, V]`, the
+        updated cache and, with `aux_layers`, those layers' outputs `[R, n, A·H]`."""
+        slot = positions[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [R, n]
+        mask = (torch.arange(cache.shape[-2], device=tokens.device) <= slot[..., None])[:, None]  # [R, 1, n, C]
+        x = self.embed(tokens) + self.pos(slot)
+        caches, hidden = [], [x]
+        for block, layer_cache in zip(self.blocks, cache.unbind(0)):
+            x, keys_values = block(x, mask, layer_cache, slot)
+            caches.append(torch.stack(keys_values))
+            hidden.append(x)
+        out = F.linear(self.norm(x), self.head.weight), torch.stack(caches)
+        return out + (aux_hidden_states(hidden, aux_layers),) if aux_layers else out
 
     def decode(self, tokens: Tensor, positions: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
         """One token per row (`tokens`, `positions` `[R]`) over the cache of `prefill`: its
         key and value go to slot `positions[r]`, it attends to slots `<= positions[r]`.
         Returns the next-token logits `[R, V]` and the updated cache."""
-        slots = torch.arange(cache.shape[-2], device=tokens.device)
-        write = (slots[None, :] == positions[:, None])[:, None, :, None]
-        mask = (slots[None, :] <= positions[:, None])[:, None, None, :]
-        x = self.embed(tokens[:, None]) + self.pos(positions[:, None])
-        caches = []
-        for block, layer_cache in zip(self.blocks, cache.unbind(0)):
-            x, keys_values = block(x, mask, layer_cache, write)
-            caches.append(torch.stack(keys_values))
-        return F.linear(self.norm(x[:, 0]), self.head.weight), torch.stack(caches)
+        logits, cache = self.extend(tokens[:, None], positions, cache)
+        return logits[:, 0], cache

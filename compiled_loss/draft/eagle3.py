@@ -197,11 +197,7 @@ class Eagle3Drafter(nn.Module):
         outputs = []
         for step in range(steps):
             ids = torch.where(same_document(document_ids, step + 1), shift_left(input_ids, step + 1, 0), 0)
-            x = torch.cat([self.input_norm(self.embed(ids).to(dtype)), self.hidden_norm(hidden)], -1)
-            cos, sin = self._rope(positions + step, dtype)
-            q = rotate_half(self._heads(self.q_proj(x)), cos, sin)
-            k = rotate_half(self._heads(self.k_proj(x)), cos, sin)
-            v = self._heads(self.v_proj(x))
+            q, k, v = self._qkv(ids, hidden, positions + step)
             if step == 0:
                 k0, v0 = k, v
             else:
@@ -214,13 +210,64 @@ class Eagle3Drafter(nn.Module):
             attn = torch.matmul(probs[..., :length], v0)
             for i, vv in enumerate(chain_v):
                 attn = attn + probs[..., length + i : length + i + 1] * vv
-            rows = attn.shape[0]
-            out = hidden + self.o_proj(attn.transpose(1, 2).reshape(rows, length, self.hidden_size))
-            mlp_in = self.post_norm(out)
-            out = out + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in))
-            outputs.append(out)
-            hidden = out
+            hidden = self._output(hidden, attn)
+            outputs.append(hidden)
         return outputs
+
+    def _qkv(self, ids: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries and keys and the values `[R, heads, L, d]` of the decoder layer's
+        input `[norm(embed(ids)), norm(hidden)]` (`ids`, `positions [R, L]`, `hidden [R, L, H]`)."""
+        dtype = self.fc.weight.dtype
+        x = torch.cat([self.input_norm(self.embed(ids).to(dtype)), self.hidden_norm(hidden)], -1)
+        cos, sin = self._rope(positions, dtype)
+        q = rotate_half(self._heads(self.q_proj(x)), cos, sin)
+        return q, rotate_half(self._heads(self.k_proj(x)), cos, sin), self._heads(self.v_proj(x))
+
+    def _output(self, hidden: Tensor, attn: Tensor) -> Tensor:
+        """The layer's output `[R, L, H]`: the residual `hidden` plus the attention output
+        `attn [R, heads, L, d]` projected, then the MLP."""
+        rows, length = hidden.shape[:2]
+        out = hidden + self.o_proj(attn.transpose(1, 2).reshape(rows, length, self.hidden_size))
+        mlp_in = self.post_norm(out)
+        return out + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in))
+
+    def context(self, ids: Tensor, hidden_states: Tensor, slots: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+        """Step 0 at inference over `W` slots a row (`slots [R, W]`, the slot index is the
+        position): slot t reads token `ids[:, w]` (`x_{t+1}`) and the policy's auxiliary
+        hidden states `hidden_states [R, W, A·H]` (`h_t`). Its keys and values go to slot t
+        of the step-0 cache `[2, R, heads, C, d]` and it attends to the cache's slots up to
+        t. Returns the outputs `[R, W, H]` and the cache."""
+        dtype = self.fc.weight.dtype
+        hidden = self.fc(hidden_states.to(dtype))
+        q, k, v = self._qkv(ids, hidden, slots)
+        index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+        cache = torch.stack([cache[0].scatter(2, index, k), cache[1].scatter(2, index, v)])
+        visible = torch.arange(cache.shape[-2], device=slots.device) <= slots[..., None]  # [R, W, C]
+        scores = torch.matmul(q, cache[0].transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        probs = scores.masked_fill(~visible[:, None], -math.inf).softmax(-1, dtype=_work_dtype(dtype)).to(dtype)
+        return self._output(hidden, torch.matmul(probs, cache[1])), cache
+
+    def chain(
+        self, ids: Tensor, previous: Tensor, slot: Tensor, step: int, cache: Tensor, chain: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Draft step `step >= 1` at inference for the chain of slot `slot [R]`: the input
+        is token `ids [R]` (the previous step's draft) and the previous step's output
+        `previous [R, H]`, rotated at `slot + step`; it attends to the step-0 cache's slots
+        up to `slot` and to the keys/values of its chain's steps 1..step (`chain`: the
+        earlier steps' `[2, R, heads, 1, d]`, this step's appended). Returns the output `[R, H]`."""
+        dtype = self.fc.weight.dtype
+        q, k, v = self._qkv(ids[:, None], previous[:, None], (slot + step)[:, None])
+        chain = [*chain, torch.stack([k, v])]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        visible = torch.arange(cache.shape[-2], device=slot.device) <= slot[:, None]  # [R, C]
+        scores = (torch.matmul(q, cache[0].transpose(-1, -2)) * scale).masked_fill(~visible[:, None, None], -math.inf)
+        diagonal = [(q * kv[0]).sum(-1, keepdim=True) * scale for kv in chain]
+        probs = torch.cat([scores, *diagonal], -1).softmax(-1, dtype=_work_dtype(dtype)).to(dtype)
+        length = cache.shape[-2]
+        attn = torch.matmul(probs[..., :length], cache[1])
+        for i, kv in enumerate(chain):
+            attn = attn + probs[..., length + i : length + i + 1] * kv[1]
+        return self._output(previous[:, None], attn)[:, 0], chain
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft-vocabulary logits of output hidden states `[..., H] -> [..., V_draft]`."""
