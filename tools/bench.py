@@ -1,5 +1,6 @@
 """`python tools/bench.py`: speed and peak memory of a packed GRPO loss, side by side
-(`python tools/bench.py head --help`: the LM head + loss from hidden states, beside Liger and CCE).
+(`python tools/bench.py head --help`: the LM head + loss from hidden states, beside Liger and CCE;
+`python tools/bench.py speculative --help`: speculative sampling against plain decoding).
 
 One run measures, per shape (packed logits `[1, T, V]`, `seqs` sequences, dtype) and per
 direction (`fwd`: the forward half of a training step, logits requiring grad, autograd
@@ -718,6 +719,11 @@ def main(argv: list[str] | None = None) -> None:
         import bench_head
 
         bench_head.main(argv[1:])
+        return
+    if argv[:1] == ["speculative"]:  # speculative sampling against plain decoding (tools/bench_speculative.py)
+        import bench_speculative
+
+        bench_speculative.main(argv[1:])
         return
     args = parse_args(argv)
     if args.worker:

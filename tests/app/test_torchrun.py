@@ -1,7 +1,7 @@
 """The runner under torchrun (gloo on CPU): with the same seed, the first step's loss and
 metrics equal the single-process run's (fp32, aot_eager) at tp=2 cp=2 and at dp=2 — with a
 co-trained drafter (traced by Dynamo's eager backend), both steps' draft metrics and drafter
-gradient norms too; every rank reports zero graph breaks, syncs and eager fallbacks and
+gradient norms too, and with EAGLE-3 sampling speculatively at dp=2 its acceptance length; every rank reports zero graph breaks, syncs and eager fallbacks and
 compiles no more than its buckets; a wrong process count is a clear error before anything
 is built."""
 
@@ -73,19 +73,23 @@ def test_first_step_equals_the_single_process_run(single, sizes, tmp_path):
 
 @pytest.mark.parametrize(
     ("chosen", "sizes"),
-    [(("draft=eagle3",), ("parallel.dp=2",)), (("draft=dflash", "packing=none"), ("parallel.tp=2", "parallel.cp=2"))],
-    ids=["eagle3-fused-dp2", "dflash-padded-tp2cp2"],
+    [
+        (("draft=eagle3", "run.speculative=true"), ("parallel.dp=2",)),
+        (("draft=dflash", "packing=none"), ("parallel.tp=2", "parallel.cp=2")),
+    ],
+    ids=["eagle3-fused-dp2-speculative", "dflash-padded-tp2cp2"],
 )
 def test_a_drafter_trains_as_in_a_single_process(chosen, sizes, tmp_path):
     """One micro-batch per replica (each DP replica's micro-batch is then the single
     process's rows split in two, with the denominators summed over DP); DFlash draws a
     static number of anchors per replica, so its DP runs differ by design and it runs at
-    tp=2 cp=2, where every rank draws the replica's anchors."""
+    tp=2 cp=2, where every rank draws the replica's anchors. EAGLE-3 samples the rollouts
+    speculatively: each replica draws its rows as the single process does (same τ)."""
     common = (*chosen, "run.micro_batches=1", "compile.backend=eager")
     want, _, _ = _run(tmp_path / "single", *common)
     procs = 4 if len(sizes) == 2 else 2
     got, summaries, _ = _run(tmp_path / "parallel", *common, *sizes, procs=procs)
-    keys = [k for k in want[0] if k.startswith("draft_")] + ["loss", "grad_norm"]
+    keys = [k for k in want[0] if k.startswith(("draft_", "speculative_tau"))] + ["loss", "grad_norm"]
     assert "draft_grad_norm" in keys and len(keys) > 10
     # The second step starts from the synced drafter update, on the policy's own samples: they
     # reach every vocabulary row, and AdamW's first update turns the fp32 reduction-order

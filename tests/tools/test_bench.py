@@ -74,3 +74,27 @@ def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
     assert loss["d_proxy", "fwd"] == loss["lp_compiled", "fwd"] == ""
     assert math.isfinite(float(loss["c_topp", "fwd"])) and loss["c_topp", "fwd"] != loss["c_compiled", "fwd"]
     assert (tmp_path / "bench.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_the_speculative_bench_prints_a_row_and_its_profile() -> None:
+    """`tools/bench.py speculative` at one tiny batch (DFlash, Dynamo's eager backend): its
+    row, τ and the round count in range, speed-up = plain / spec."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench.py"), "speculative", "--rows", "2", "--repeat", "1"]
+        + ["--backend", "eager", "--draft", "dflash"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    lines = done.stdout.splitlines()
+    assert lines[1].split() == [
+        *("draft", "rows", "tau", "rounds", "plain_ms", "spec_ms", "speedup"),
+        *("decode_ms", "verify_ms", "propose_ms", "round_ms", "verify/decode", "propose/decode"),
+    ]
+    rows = [line.split() for line in lines[2:]]
+    assert [r[:2] for r in rows] == [["dflash", "2"]]
+    for r in rows:
+        tau, rounds, plain, spec, speedup = float(r[2]), int(r[3]), float(r[4]), float(r[5]), float(r[6])
+        assert 1 <= tau <= 5 and rounds >= 1 and plain > 0 and spec > 0
+        assert speedup == pytest.approx(plain / spec, rel=0.02, abs=0.01)
