@@ -23,7 +23,7 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("importance ratio (sampling; probs_ratio dashed)", (("sampling_importance_ratio", "-"), ("probs_ratio", "--"))),
     ("training tokens/s", (("tokens_per_s", "-"),)),
     (
-        "speculative decoding: τ (tokens per policy forward); speed-up over plain decoding dashed",
+        "speculative sampling: τ (tokens per policy forward); speed-up dashed",
         (("speculative_tau", "-"), ("speculative_speedup", "--")),
     ),
 )
