@@ -254,7 +254,8 @@ class Eagle3Drafter(nn.Module):
         is token `ids [R]` (the previous step's draft) and the previous step's output
         `previous [R, H]`, rotated at `slot + step`; it attends to the step-0 cache's slots
         up to `slot` and to the keys/values of its chain's steps 1..step (`chain`: the
-        earlier steps' `[2, R, heads, 1, d]`, this step's appended). Returns the output `[R, H]`."""
+        earlier steps' `[2, R, heads, 1, d]`). Returns the output `[R, H]` and the chain with
+        this step's keys/values appended."""
         dtype = self.fc.weight.dtype
         q, k, v = self._qkv(ids[:, None], previous[:, None], (slot + step)[:, None])
         chain = [*chain, torch.stack([k, v])]
