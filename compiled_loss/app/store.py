@@ -45,6 +45,7 @@ from compiled_loss.config import (
 )
 from compiled_loss.config.drafts import size_keys
 from compiled_loss.config.groups import PackingMode
+from compiled_loss.demo.data import prompt_width, response_width
 from compiled_loss.demo.hf import policy_model
 from compiled_loss.packing import round_to_bucket
 
@@ -207,13 +208,43 @@ def allocations(config: Config) -> list[tuple[str, int]]:
     return found
 
 
+def _check_speculative(config: Config) -> None:
+    """`run.speculative_tokens` within the response bucket, and with `run.speculative` a
+    drafter to propose and positions for the proposals."""
+    run, data = config.run, config.data
+    gamma, response = run.speculative_tokens, response_width(data)
+    require(
+        gamma <= response - 1,
+        f"run.speculative_tokens={gamma} exceeds {response - 1}: a round drafts the tokens after the response's "
+        f"first, and the response bucket holds {response} (data.total_terms - data.prompt_terms_min + 1)",
+    )
+    if not run.speculative:
+        return
+    require(
+        config.draft.name != "none",
+        "run.speculative=true drafts with the co-trained drafter: choose draft=eagle3 or draft=dflash",
+    )
+    if config.draft.name == "dflash":
+        require(
+            gamma <= config.draft.block_size - 1,
+            f"run.speculative_tokens={gamma} exceeds draft.block_size - 1 = {config.draft.block_size - 1}, the "
+            "tokens one DFlash block proposes",
+        )
+    slots = prompt_width(data) + response + gamma + 1
+    require(
+        slots <= config.model.max_positions,
+        f"run.speculative=true needs {slots} positions (prompt and response buckets, "
+        f"run.speculative_tokens={gamma} and 1), model.max_positions is {config.model.max_positions}",
+    )
+
+
 def check_run(config: Config) -> None:
     """What `Config` cannot check: the run's largest allocations (`allocations`) against this
     machine's memory — the bound of every size no data-derived bound covers: the model's and
     the drafter's widths and depths, the batch, the bucket grid —, `run.seed` with the step
     count against the sampler's 64-bit generator seed (tried at the first and the last step),
-    that the warm start leaves at least one of `run.steps` to the loss, and that each logger
-    of `run.loggers` has its package."""
+    that the warm start leaves at least one of `run.steps` to the loss, that each logger
+    of `run.loggers` has its package, and what speculative sampling needs (`_check_speculative`)."""
     found = allocations(config)
     need, have = sum(b for _, b in found), memory_bytes()
     _, _, batch_keys = config.longest_micro_batch()
@@ -240,6 +271,7 @@ def check_run(config: Config) -> None:
         f"or raise run.steps above {warm}",
     )
     check_installed(run.loggers)
+    _check_speculative(config)
 
 
 def load_config(cfg: DictConfig) -> Config:

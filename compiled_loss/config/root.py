@@ -189,36 +189,6 @@ class Config:
             )
             check_draft(self.draft, self.model)
             self._check_draft_sizes(length, length_keys, tokens, batch_keys)
-        self._check_speculative()
-
-    def _check_speculative(self) -> None:
-        """`run.speculative`: a drafter to propose, room for its proposals."""
-        from compiled_loss.demo.data import prompt_width, response_width  # the task imports the config
-
-        gamma, response = self.run.speculative_tokens, response_width(self.data)
-        require(
-            gamma <= response - 1,
-            f"run.speculative_tokens={gamma} exceeds {response - 1}: a round drafts the tokens after the response's "
-            f"first, and the response bucket holds {response} (data.total_terms - data.prompt_terms_min + 1)",
-        )
-        if not self.run.speculative:
-            return
-        require(
-            self.draft.name != "none",
-            "run.speculative=true drafts with the co-trained drafter: choose draft=eagle3 or draft=dflash",
-        )
-        if self.draft.name == "dflash":
-            require(
-                gamma <= self.draft.block_size - 1,
-                f"run.speculative_tokens={gamma} exceeds draft.block_size - 1 = {self.draft.block_size - 1}, the "
-                "tokens one DFlash block proposes",
-            )
-        slots = prompt_width(self.data) + response + gamma + 1
-        require(
-            slots <= self.model.max_positions,
-            f"run.speculative=true needs {slots} positions (prompt and response buckets, "
-            f"run.speculative_tokens={gamma} and 1), model.max_positions is {self.model.max_positions}",
-        )
 
     def _check_draft_sizes(self, length: int, length_keys: str, tokens: int, batch_keys: str) -> None:
         """The drafter's sizes against the data: what one sequence and one micro-batch can hold."""
