@@ -202,11 +202,11 @@ class SpeculativeSampler:
     `uniforms`: `speculative_uniforms(seed, step, rows, response_width)`."""
 
     def __init__(self, cfg: Config, policy: TinyLM, runtime: DraftRuntimeBase, rows: int) -> None:
-        kind = "eagle3" if isinstance(runtime, Eagle3Runtime) else "dflash"
         if not isinstance(runtime, (Eagle3Runtime, DFlashRuntime)):
             raise TypeError(
                 f"SpeculativeSampler drafts with an Eagle3Runtime or a DFlashRuntime, not {type(runtime).__name__}"
             )
+        kind = "eagle3" if isinstance(runtime, Eagle3Runtime) else "dflash"
         self.policy, self.runtime, self.rows, self.gamma = policy, runtime, rows, cfg.run.speculative_tokens
         self.prompt_len, self.response_len = prompt_width(cfg.data), response_width(cfg.data)
         lp = cfg.logprob

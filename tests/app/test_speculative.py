@@ -66,15 +66,55 @@ def _prompts(cfg, rows: int):
     return prompts.repeat(rows // cfg.data.prompts)
 
 
+def _patterned(draft: str):
+    """A greedy policy that emits token 40, and 41 after every third position, and a drafter
+    that always proposes 40: some drafts are accepted, some rejected, all deterministically."""
+    cfg, policy, runtime = _models(draft, "logprob.top_k=1", "compile.enabled=false")
+    with torch.no_grad():
+        policy.embed.weight[:, 0] = 100.0  # a dominant first feature at every position
+        policy.pos.weight[:, 1] = 0.0
+        policy.pos.weight[1::3, 1] = 100.0  # and a second one every third position
+        policy.head.weight.zero_()
+        policy.head.weight[40, 0], policy.head.weight[41, 1] = 1.0, 2.0
+        drafter = runtime.drafter
+        head = drafter.head if draft == "eagle3" else drafter.lm_head
+        head.weight.zero_()
+        head.weight[40, 0] = 1.0
+        if draft == "eagle3":  # the drafter's hidden stream carries the policy's first feature
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[0, 0] = 1.0
+        else:  # every block slot carries a first feature
+            drafter.slot_embedding[:, 0] = 100.0
+    return cfg, policy, runtime
+
+
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_greedy_tokens_are_the_plain_samplers(draft):
-    cfg, policy, runtime = _models(draft, "logprob.top_k=1", "compile.enabled=false", sharpen_draft=2)
+    """At top_k=1 the tokens are the plain sampler's, with drafts accepted (40 where the
+    policy emits 40) and rejected (where it emits 41)."""
+    cfg, policy, runtime = _patterned(draft)
     rows, slots = 12, response_width(cfg.data)
     prompts = _prompts(cfg, rows)
     plain = Sampler(cfg, policy, rows)(prompts, sampling_uniforms(0, 0, rows, slots))
     fast = SpeculativeSampler(cfg, policy, runtime, rows)(prompts, speculative_uniforms(0, 0, rows, slots))
+    assert set(plain.tokens.unique().tolist()) == {40, 41}
+    assert 1.5 < fast.tau < 3  # both accepted and rejected drafts
     assert torch.equal(fast.tokens, plain.tokens) and torch.equal(fast.lengths, plain.lengths)
     torch.testing.assert_close(fast.logprobs, plain.logprobs, rtol=0, atol=1e-5)
+
+
+def test_the_wrong_inputs_are_refused():
+    cfg, policy, runtime = _models("dflash", "compile.enabled=false")
+    sampler = SpeculativeSampler(cfg, policy, runtime, 12)
+    with pytest.raises(ValueError) as error:
+        sampler(_prompts(cfg, 12), torch.rand(12, response_width(cfg.data)))
+    assert (
+        str(error.value)
+        == "SpeculativeSampler takes 12 prompts of width 6 and uniforms [12, 8, 3], got (12, 6) and [12, 8]"
+    )
+    with pytest.raises(TypeError) as error:
+        SpeculativeSampler(cfg, policy, object(), 12)
+    assert str(error.value) == "SpeculativeSampler drafts with an Eagle3Runtime or a DFlashRuntime, not object"
 
 
 @pytest.mark.parametrize("draft", DRAFTS)
