@@ -284,7 +284,9 @@ def _load_compile_cache(path: str | None, lead: bool) -> dict[str, Any] | None:
             log.warning("run.compile_cache: %s", warning.message)
         if loaded:
             size = Path(path).stat().st_size / 2**20
-            log.info("run.compile_cache=%s: loaded %.1f MiB of compiled graphs (read, not compiled)", path, size)
+            log.info(
+                "run.compile_cache=%s: loaded %.1f MiB of compiled graphs and kernels (read, not compiled)", path, size
+            )
         elif not caught:
             log.info("run.compile_cache=%s: no such file; written once the first steps compiled", path)
     return {"path": path, "loaded": loaded, "saved_after_steps": []}

@@ -232,8 +232,9 @@ class RunConfig:
     deterministic: bool = False
     """Deterministic kernels and Inductor's deterministic mode: bitwise-repeatable runs."""
     compile_cache: str | None = None
-    """A file of torch's portable compile-cache artifacts: loaded at start when it exists (a graph it holds is read,
-    not compiled), written after a step that compiled something it lacks (rank 0; `save_compile_cache`)."""
+    """A file of torch's portable compile-cache artifacts and Inductor's C++ kernel libraries: loaded at start when it
+    exists (a graph or kernel it holds is read, not compiled; `load_compile_cache`, which also sets the Inductor
+    options the file is for), written after a step that compiled something it lacks (rank 0; `save_compile_cache`)."""
     speculative: bool = False
     """Sample with speculative decoding: the co-trained drafter (draft=eagle3 or dflash) proposes speculative_tokens
     tokens a round and the policy verifies them in one forward, its distribution kept exactly

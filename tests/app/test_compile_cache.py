@@ -1,11 +1,13 @@
 """`save_compile_cache` / `load_compile_cache` and `run.compile_cache`: torch's portable
-compile-cache artifacts in one file behind a header that names the setup they were
-compiled for; a fresh process (an empty Inductor cache directory) that loads them reads
-its graphs from them instead of compiling them. A missing file loads nothing, a file for
-another setup is skipped with a warning, a file that is no cache raises."""
+compile-cache artifacts and Inductor's C++ kernel libraries in one file behind a header that
+names the setup they were compiled for; a fresh process (empty Inductor cache directories)
+that loads them reads its graphs and kernels from them instead of compiling them. A missing
+file loads nothing, a file for another setup is skipped with a warning, a file that is no
+cache raises."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -25,14 +27,34 @@ from compiled_loss.app import compose_config
 from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
 from compiled_loss.app.loop import build_run
 from compiled_loss.checks import ConfigError
-from compiled_loss.compile import compile_cache_fingerprint, load_compile_cache, save_compile_cache
+from compiled_loss.compile import _options, compile_cache_fingerprint, load_compile_cache, save_compile_cache
 from compiled_loss.config import RunConfig
 from compiled_loss.train.parallel import init_parallel
 
 
-def _artifacts(monkeypatch, **keys: list[str]) -> list[bytes]:
+@pytest.fixture(autouse=True)
+def _options_restored():
+    """`load_compile_cache` sets Inductor options for the whole process: this test process's
+    other compiles keep theirs."""
+    before = [(module, option, getattr(module, option)) for module, option, _ in _options()]
+    yield
+    for module, option, value in before:
+        setattr(module, option, value)
+
+
+_PROBE = "pr/cprobe.so"  # where Inductor keeps a vector-ISA probe library
+
+
+def _artifacts(monkeypatch, tmp_path: Path, **keys: list[str]) -> list[bytes]:
     """Stand torch's artifact calls in for a process that compiled the Inductor graphs `keys`
-    (kind -> cache keys; none: nothing compiled); the list collects the payloads loaded."""
+    (kind -> cache keys; none: nothing compiled), with an Inductor cache directory of its own
+    that holds an ISA probe library and a kernel library the process has not loaded; the
+    list collects the payloads loaded."""
+    inductor = tmp_path / f"inductor{len(list(tmp_path.glob('inductor*')))}"
+    for name, data in ((_PROBE, b"\x7fELF probe"), ("ke/ckernel.main.so", b"\x7fELF not loaded here")):
+        (inductor / name).parent.mkdir(parents=True, exist_ok=True)
+        (inductor / name).write_bytes(data)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     CacheArtifactManager._ensure_cache_artifacts_registered()
     info, serializer = CacheInfo(), AppendingByteSerializer(serialize_fn=_serialize_single_cache)
     for kind, names in keys.items():
@@ -42,51 +64,80 @@ def _artifacts(monkeypatch, **keys: list[str]) -> list[bytes]:
     loaded: list[bytes] = []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: saved)
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data) or CacheInfo())
+    assert load_compile_cache(tmp_path / "no such file") is False  # how a process starts: it sets the options
     return loaded
+
+
+_MAGIC = b"compiled_loss compile cache 2\n"
 
 
 def _payload(path: Path) -> dict[str, list[tuple[str, bytes]]]:
     """The artifacts (kind -> key, content) in the file at `path`."""
     data = path.read_bytes()
-    artifacts = CacheArtifactManager.deserialize(data[data.index(b"\n", len(b"compiled_loss compile cache 1\n")) + 1 :])
+    start = data.index(b"\n", len(_MAGIC)) + 1
+    artifacts = CacheArtifactManager.deserialize(data[start : start + _header(path)["artifact_bytes"]])
     return {kind: [(a.key, a.content) for a in found] for kind, found in artifacts.items()}
 
 
 def _header(path: Path) -> dict:
     with path.open("rb") as f:
-        assert f.readline() == b"compiled_loss compile cache 1\n"
+        assert f.readline() == _MAGIC
         return json.loads(f.readline())
 
 
 def test_a_missing_file_loads_nothing(monkeypatch, tmp_path):
-    loaded = _artifacts(monkeypatch)
+    loaded = _artifacts(monkeypatch, tmp_path)
     assert load_compile_cache(tmp_path / "absent.bin") is False
     assert loaded == []
 
 
 def test_nothing_compiled_writes_nothing(monkeypatch, tmp_path):
-    _artifacts(monkeypatch)
+    _artifacts(monkeypatch, tmp_path)
     assert save_compile_cache(tmp_path / "cache.bin") is False
-    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path / "cache.bin").exists()
 
 
 def test_save_writes_the_artifacts_behind_a_header_and_load_hands_them_to_torch(monkeypatch, tmp_path):
     path = tmp_path / "deep" / "er" / "cache.bin"
-    loaded = _artifacts(monkeypatch, inductor=["fx2", "fx1"], aot_autograd=["aot"])
+    _artifacts(monkeypatch, tmp_path, inductor=["fx2", "fx1"], aot_autograd=["aot"])
     assert save_compile_cache(path) is True  # parent directories created
     assert sorted(p.name for p in path.parent.iterdir()) == ["cache.bin"]  # no temporary file left
     payload = torch.compiler.save_cache_artifacts()[0]
     assert _header(path) == {
         **compile_cache_fingerprint(),
-        "bytes": len(payload),
+        "bytes": len(payload) + len(b"\x7fELF probe"),
         "artifacts": {"inductor": ["fx1", "fx2"], "aot_autograd": ["aot"]},
+        "artifact_bytes": len(payload),
+        "kernels": [[_PROBE, len(b"\x7fELF probe")]],  # not the kernel library it has not loaded
     }
     assert _payload(path) == {
         "inductor": [("fx2", b"graph fx2"), ("fx1", b"graph fx1")],
         "aot_autograd": [("aot", b"graph aot")],
     }
+    loaded = _artifacts(monkeypatch, tmp_path)  # another machine: its Inductor cache directory lacks the probe
+    fresh = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    (fresh / _PROBE).unlink()
     assert load_compile_cache(path) is True
     assert loaded == [payload]
+    assert (fresh / _PROBE).read_bytes() == b"\x7fELF probe" and os.access(fresh / _PROBE, os.X_OK)
+    assert [(module, option, getattr(module, option)) for module, option, _ in _options()] == _options()
+
+
+def test_the_kernel_libraries_the_process_loaded_travel(monkeypatch, tmp_path):
+    # a kernel compiled by this process and loaded from Inductor's cache directory
+    _artifacts(monkeypatch, tmp_path, inductor=["fx1"])
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    kernel = inductor / "ke" / "ckernel.main.so"
+    subprocess.run(["cc", "-shared", "-o", str(kernel), "-x", "c", "-"], input=b"int k(void){return 3;}", check=True)
+    ctypes.CDLL(str(kernel))
+    path = tmp_path / "cache.bin"
+    assert save_compile_cache(path) is True
+    assert [name for name, _ in _header(path)["kernels"]] == ["ke/ckernel.main.so", _PROBE]
+    _artifacts(monkeypatch, tmp_path)
+    fresh = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    (fresh / "ke" / "ckernel.main.so").unlink()
+    assert load_compile_cache(path) is True
+    assert (fresh / "ke" / "ckernel.main.so").read_bytes() == kernel.read_bytes()
 
 
 def test_the_batches_of_several_saves_in_one_process_reach_the_file_as_one_per_kind(monkeypatch, tmp_path):
@@ -106,12 +157,12 @@ def test_the_batches_of_several_saves_in_one_process_reach_the_file_as_one_per_k
 
 def test_save_leaves_a_file_that_holds_every_artifact_and_rewrites_one_that_lacks_some(monkeypatch, tmp_path):
     path = tmp_path / "cache.bin"
-    _artifacts(monkeypatch, inductor=["fx1", "fx2"])
+    _artifacts(monkeypatch, tmp_path, inductor=["fx1", "fx2"])
     assert save_compile_cache(path) is True
-    _artifacts(monkeypatch, inductor=["fx2"])  # a process that loaded it and compiled nothing new
+    _artifacts(monkeypatch, tmp_path, inductor=["fx2"])  # a process that loaded it and compiled nothing new
     assert save_compile_cache(path) is False
     assert [key for key, _ in _payload(path)["inductor"]] == ["fx1", "fx2"]
-    _artifacts(monkeypatch, inductor=["fx2", "fx3"])  # one graph the file lacks
+    _artifacts(monkeypatch, tmp_path, inductor=["fx2", "fx3"])  # one graph the file lacks
     assert save_compile_cache(path) is True
     assert _header(path)["artifacts"] == {"inductor": ["fx2", "fx3"]}
 
@@ -120,9 +171,9 @@ class TestRefusals(TestCase):
     @pytest.fixture(autouse=True)
     def _setup(self, monkeypatch, tmp_path):
         self.path = tmp_path / "cache.bin"
-        _artifacts(monkeypatch, inductor=["fx1"])
+        _artifacts(monkeypatch, tmp_path, inductor=["fx1"])
         assert save_compile_cache(self.path)
-        self.loaded = _artifacts(monkeypatch)
+        self.loaded = _artifacts(monkeypatch, tmp_path)
 
     def _error(self) -> str:
         with pytest.raises(ValueError) as info:
@@ -139,6 +190,34 @@ class TestRefusals(TestCase):
         self.assertExpectedInline(
             str(caught[0].message).replace(str(self.path), "PATH").replace(torch.__version__, "VERSION"),
             """compile cache PATH not loaded: written for another setup (torch '2.12.0', here 'VERSION'); everything compiles anew""",
+        )
+
+    def test_a_file_saved_without_loading_first_is_skipped_with_a_warning(self):
+        ours = compile_cache_fingerprint()["options"]  # torch's defaults in a process that never called load:
+        theirs = ours.replace("=False", "=x").replace("=True", "=False").replace("=x", "=True")
+        self.path.write_bytes(self.path.read_bytes().replace(ours.encode(), theirs.encode()))
+        with pytest.warns(UserWarning) as caught:
+            assert load_compile_cache(self.path) is False
+        assert self.loaded == []
+        self.assertExpectedInline(
+            str(caught[0].message).replace(str(self.path), "PATH"),
+            """compile cache PATH not loaded: written for another setup (options 'cpp_cache_precompile_headers=True autograd_cache_allow_custom_autograd_functions=False', here 'cpp_cache_precompile_headers=False autograd_cache_allow_custom_autograd_functions=True'); everything compiles anew""",
+        )
+
+    def test_a_file_another_version_wrote_is_skipped_with_a_warning(self):
+        self.path.write_bytes(self.path.read_bytes().replace(_MAGIC, b"compiled_loss compile cache 1\n"))
+        with pytest.warns(UserWarning) as caught:
+            assert load_compile_cache(self.path) is False
+        assert self.loaded == []
+        self.assertExpectedInline(
+            str(caught[0].message).replace(str(self.path), "PATH"),
+            """compile cache PATH not loaded: another version of compiled_loss wrote it ('compiled_loss compile cache 1', here 'compiled_loss compile cache 2'); everything compiles anew""",
+        )
+
+    def test_a_kernel_outside_the_cache_directory_raises(self):
+        self.path.write_bytes(self.path.read_bytes().replace(_PROBE.encode(), b"../probe.so"))
+        self.assertExpectedInline(
+            self._error(), """compile cache PATH: it is truncated or corrupt (save_compile_cache writes one)"""
         )
 
     def test_a_file_that_is_no_cache_raises(self):
@@ -175,18 +254,30 @@ def test_a_resume_reads_its_graphs_from_any_compile_cache(tmp_path):
         assert load_checkpoint(str(checkpoint), resumed)[::2] == (1, [])  # its step; no change reported
 
 
-# Compiles f's forward and backward, then g's forward, with Inductor in a fresh process, and
+# Compiles f's forward and backward (through an autograd.Function whose backward scales its
+# gradient by the third argument), then g's forward, with Inductor in a fresh process, and
 # saves after each (as the runner does after each phase's first step) or loads before both;
-# prints Inductor's and AOTAutograd's cache counters, what it loaded and saved, and the results.
+# prints Inductor's and AOTAutograd's cache counters, whether it ran the C++ compiler, what
+# it loaded and saved, and the results.
 _PROCESS = textwrap.dedent(
     """
     import json, sys, torch
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compile_times, counters
     from compiled_loss.compile import load_compile_cache, save_compile_cache
-    path, mode = sys.argv[1:]
-    loaded = load_compile_cache(path) if mode == "load" else None
+    path, mode, scale = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    loaded = load_compile_cache(path)
+    class Exp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = x.exp()
+            ctx.save_for_backward(y)
+            return y
+        @staticmethod
+        def backward(ctx, grad):
+            (y,) = ctx.saved_tensors
+            return grad * y * scale
     def f(x, w):
-        return torch.log_softmax(x @ w, dim=-1).amax(dim=-1).sum()
+        return torch.log_softmax(Exp.apply(x @ w), dim=-1).amax(dim=-1).sum()
     def g(x):
         return torch.softmax(x * 3, dim=0).cumsum(dim=1)
     x, w = torch.linspace(-1, 1, 64).reshape(8, 8), torch.linspace(-2, 2, 96).reshape(8, 12).requires_grad_()
@@ -195,53 +286,74 @@ _PROCESS = textwrap.dedent(
     y = torch.compile(g, backend="inductor")(x)
     saved += [save_compile_cache(path)] if mode == "save" else []
     print(json.dumps({"loaded": loaded, "saved": saved, "inductor": dict(counters["inductor"]),
-                      "aot_autograd": dict(counters["aot_autograd"]), "grad": w.grad.tolist(), "y": y.tolist()}))
+                      "aot_autograd": dict(counters["aot_autograd"]), "grad": w.grad.tolist(), "y": y.tolist(),
+                      "ran_cpp_compiler": "compile_file" in compile_times(repr="str")}))
     """
 )
 
 
-def _fresh_process(tmp_path: Path, name: str, *args: str) -> dict:
-    """`_PROCESS` with an empty Inductor cache directory of its own: a machine that compiled nothing."""
-    cache_dir = tmp_path / f"inductor_{name}"
+def _fresh(tmp_path: Path, name: str) -> dict[str, str]:
+    """The environment of a machine that compiled nothing: empty Inductor cache directories
+    (the default one, where Inductor also keeps precompiled headers, and the one it uses)."""
+    cache_dir, temporary = tmp_path / f"inductor_{name}", tmp_path / f"tmp_{name}"
     cache_dir.mkdir()
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    temporary.mkdir()
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TMPDIR": str(temporary)}
+
+
+def _fresh_process(tmp_path: Path, name: str, *args: str) -> dict:
+    """`_PROCESS` on a machine that compiled nothing."""
     out = subprocess.run(
-        [sys.executable, "-c", _PROCESS, *args], env=env, capture_output=True, text=True, timeout=600, check=True
+        [sys.executable, "-c", _PROCESS, *args],
+        env=_fresh(tmp_path, name),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     return json.loads(out.stdout.splitlines()[-1])
 
 
-@pytest.mark.slow  # two processes compile with Inductor
-def test_a_fresh_process_given_the_file_reads_every_graph_instead_of_compiling_it(tmp_path):
+@pytest.mark.slow  # three processes compile with Inductor
+def test_a_fresh_process_given_the_file_reads_every_graph_and_kernel_instead_of_compiling_it(tmp_path):
     path = tmp_path / "cache" / "compile.bin"
-    first = _fresh_process(tmp_path, "first", str(path), "save")
-    assert first["saved"] == [True, True] and path.is_file()
+    first = _fresh_process(tmp_path, "first", str(path), "save", "1")
+    assert first["loaded"] is False and first["saved"] == [True, True] and path.is_file()
     # f's forward and backward, g's forward
     assert first["inductor"].get("fxgraph_cache_miss") == 3 and "fxgraph_cache_hit" not in first["inductor"]
+    assert first["ran_cpp_compiler"] is True
     compiled_by_aot = first["aot_autograd"].get("autograd_cache_miss")
     assert compiled_by_aot in (1, 2)  # f's; g's too where its inference graph is cacheable
-    assert {kind: len(keys) for kind, keys in _header(path)["artifacts"].items()} == {
+    assert "autograd_cache_bypass" not in first["aot_autograd"]  # f's graph holds an autograd.Function
+    header = _header(path)
+    assert {kind: len(keys) for kind, keys in header["artifacts"].items()} == {
         "inductor": 3,
         "aot_autograd": compiled_by_aot,
     }
-    second = _fresh_process(tmp_path, "second", str(path), "load")
+    assert sum(name.endswith(".main.so") for name, _ in header["kernels"]) >= 3  # f's, f's backward's, g's
+    second = _fresh_process(tmp_path, "second", str(path), "load", "1")
     assert second["loaded"] is True
-    # every graph of both saves read from the artifacts, compiled by neither Inductor nor AOTAutograd
+    # every graph of both saves read from the artifacts, compiled by neither Inductor nor
+    # AOTAutograd, and every kernel from the file: no C++ compiler
     assert second["inductor"].get("fxgraph_cache_hit") == 3 and "fxgraph_cache_miss" not in second["inductor"]
     assert second["aot_autograd"].get("autograd_cache_hit") == compiled_by_aot
     assert "autograd_cache_miss" not in second["aot_autograd"]
+    assert second["ran_cpp_compiler"] is False
     assert (second["grad"], second["y"]) == (first["grad"], first["y"])
+    # the autograd.Function's backward changed: its graph misses and compiles, the others hit
+    third = _fresh_process(tmp_path, "third", str(path), "load", "2")
+    assert third["aot_autograd"].get("autograd_cache_miss") == 1
+    assert third["grad"] == [[2 * value for value in row] for row in first["grad"]]
+    assert third["y"] == first["y"]
 
 
 def _run(tmp_path: Path, name: str, cache: Path) -> tuple[dict, str]:
-    """The runner at test size in a fresh process with an empty Inductor cache directory."""
-    cache_dir, out = tmp_path / f"inductor_{name}", tmp_path / name
-    cache_dir.mkdir()
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    """The runner at test size in a fresh process on a machine that compiled nothing."""
+    out = tmp_path / name
     overrides = [*TINY_TASK, "run.steps=2", "run.sft_steps=1", f"run.compile_cache={cache}", f"hydra.run.dir={out}"]
     subprocess.run(
         [sys.executable, "-m", "compiled_loss.run", *overrides],
-        env=env,
+        env=_fresh(tmp_path, name),
         capture_output=True,
         text=True,
         timeout=900,
