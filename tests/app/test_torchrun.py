@@ -1,9 +1,9 @@
 """The runner under torchrun (gloo on CPU): with the same seed, the first step's loss and
 metrics equal the single-process run's (fp32, aot_eager) at tp=2 cp=2 and at dp=2 — with a
 co-trained drafter (traced by Dynamo's eager backend), both steps' draft metrics and drafter
-gradient norms too, and with EAGLE-3 sampling speculatively at dp=2 its acceptance length; every rank reports zero graph breaks, syncs and eager fallbacks and
-compiles no more than its buckets; a wrong process count is a clear error before anything
-is built."""
+gradient norms too, and with EAGLE-3 sampling speculatively at dp=2 its acceptance length;
+every rank reports zero graph breaks, syncs and eager fallbacks and compiles no more than
+its buckets; a wrong process count is a clear error before anything is built."""
 
 from __future__ import annotations
 
