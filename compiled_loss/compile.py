@@ -21,20 +21,48 @@ from typing import Any
 import torch
 
 
-def compile_loss(fn: Callable[..., Any], *, recorder: Any = None, **compile_kwargs: Any) -> Callable[..., Any]:
+def compile_loss(
+    fn: Callable[..., Any], *, recorder: Any = None, recompile_limit: int | None = None, **compile_kwargs: Any
+) -> Callable[..., Any]:
     """`torch.compile(fn, **compile_kwargs)` (through `recorder.compile` when a
     `compiled_loss.train.CompileRecorder` is given), called with `specialize_float=True`:
     the Python floats of loss configs (clip ranges, β, …) stay constants of the graph.
     Without it, `dynamic=True` turns each into a graph input that the graph reads back
-    with `.item()`."""
+    with `.item()`.
+
+    `recompile_limit`: the most graphs Dynamo keeps for `fn` (torch's own limit, 8, when
+    None). A function compiled once per shape bucket needs one per bucket: past the limit
+    a `fullgraph=True` function fails (`FailOnRecompileLimitHit`). The callers bound their
+    buckets on the host (`admit_bucket`) and pass that bound here."""
     compiled = recorder.compile(fn, **compile_kwargs) if recorder is not None else torch.compile(fn, **compile_kwargs)
+    limits: dict[str, Any] = {"specialize_float": True}
+    if recompile_limit is not None:
+        if recompile_limit < 1:
+            raise ValueError(f"compile_loss: recompile_limit must be >= 1, got {recompile_limit}")
+        config = torch._dynamo.config
+        limits["recompile_limit"] = recompile_limit
+        limits["accumulated_recompile_limit"] = max(config.accumulated_recompile_limit, recompile_limit)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(specialize_float=True):
+        with torch._dynamo.config.patch(**limits):
             return compiled(*args, **kwargs)
 
     return run
+
+
+def admit_bucket(seen: set[Any], bucket: Any, limit: int, who: str, knob: str) -> None:
+    """Add `bucket` (a hashable shape key) to `seen`, the buckets a compiled function has
+    run on; a ValueError, raised before anything compiles, when it would be bucket number
+    `limit + 1`: `who` is the caller, `knob` the setting that raises `limit`."""
+    if bucket in seen:
+        return
+    if len(seen) >= limit:
+        raise ValueError(
+            f"{who}: shape bucket {bucket} would be distinct bucket {len(seen) + 1}, and {knob}={limit} "
+            "compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)"
+        )
+    seen.add(bucket)
 
 
 class CompiledModule(torch.nn.Module):

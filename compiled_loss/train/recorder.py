@@ -63,9 +63,12 @@ class FrameRecord:
 _STACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<source>[^\n]*)')
 
 
-def _where(filename: str, lineno: int, line: str | None = None) -> str:
-    """`path:line `source``: the whole path and the source line (read from the file when not given)."""
-    source = (linecache.getline(filename, lineno) if line is None else line).strip()
+def _where(filename: str | None, lineno: int | None, line: str | None = None) -> str:
+    """`path:line `source``: the whole path and the source line (read from the file when not
+    given); Dynamo leaves the line out of some metrics (a frame it refused to compile)."""
+    if lineno is None:
+        return str(filename)
+    source = (linecache.getline(filename or "", lineno) if line is None else line).strip()
     return f"{filename}:{lineno}" + (f" `{source}`" if source else "")
 
 
@@ -228,6 +231,11 @@ class CompileRecorder:
                 )
             )
 
+    def _record_call(self, start: float) -> None:
+        self.report.calls += 1
+        self.report.seconds += time.perf_counter() - start
+        self._collect_frames(during_call=True)
+
     def compile(self, fn: Callable[..., Any], **compile_kwargs: Any) -> Callable[..., Any]:
         if self._backend_name == "inductor":  # what torch.compile(backend="inductor", mode=...) uses
             self._inner = torch._TorchCompileInductorWrapper(self._mode, None, compile_kwargs.get("dynamic"))
@@ -241,10 +249,14 @@ class CompileRecorder:
             self._collect_frames(during_call=False)
             start = time.perf_counter()
             try:
-                return compiled(*args, **kwargs)
-            finally:
-                self.report.calls += 1
-                self.report.seconds += time.perf_counter() - start
-                self._collect_frames(during_call=True)
+                result = compiled(*args, **kwargs)
+            except BaseException as error:  # the call's own error propagates, never one of the recording's
+                try:
+                    self._record_call(start)
+                except Exception as recording:
+                    error.add_note(f"(the compile recorder failed too: {recording!r})")
+                raise
+            self._record_call(start)
+            return result
 
         return run
