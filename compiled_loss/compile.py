@@ -8,6 +8,7 @@ earlier one compiled."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -79,7 +80,7 @@ class CompiledModule(torch.nn.Module):
         return self._run(*args, **kwargs)
 
 
-_MAGIC = b"compiled_loss compile cache 2\n"
+_MAGIC = b"compiled_loss compile cache 3\n"
 _MAGIC_PREFIX = b"compiled_loss compile cache "
 
 
@@ -133,11 +134,12 @@ def _read_header(file: Any) -> dict[str, Any] | None:
     return header if isinstance(header, dict) else None
 
 
-def _merged(payload: bytes) -> bytes:
-    """`payload` with one batch of artifacts per kind. A process that called
-    `save_cache_artifacts` more than once gets one batch per call and kind, of which torch
-    2.13's `load_cache_artifacts` keeps only the last of each kind (it reads them into a
-    dict): measured, a file saved after two steps that compiled lost the first step's graphs."""
+def _batches(payload: bytes) -> list[tuple[str, bytes]]:
+    """`payload` as one batch of artifacts per kind, each (kind, the bytes
+    `load_cache_artifacts` reads for it). A process that called `save_cache_artifacts` more
+    than once gets one batch per call and kind, of which torch 2.13's `load_cache_artifacts`
+    keeps only the last of each kind (it reads them into a dict): measured, a file saved after
+    two steps that compiled lost the first step's graphs."""
     from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache, _serialize_single_cache
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
@@ -145,9 +147,16 @@ def _merged(payload: bytes) -> bytes:
     merged: dict[str, list[Any]] = {}
     for kind, artifacts in AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache):
         merged.setdefault(kind, []).extend(artifacts)
-    serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
-    serializer.extend(merged.items())
-    return serializer.to_bytes()
+    batches = []
+    for kind, artifacts in merged.items():
+        serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+        serializer.append((kind, artifacts))
+        batches.append((kind, serializer.to_bytes()))
+    return batches
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _inductor_dir() -> Path:
@@ -180,17 +189,18 @@ def _kernel_libraries() -> dict[str, bytes]:
 def save_compile_cache(path: str | os.PathLike[str]) -> bool:
     """Write the compile-cache artifacts of this process to `path` (the graphs Inductor,
     AOTAutograd and Dynamo's profile-guided shapes compiled or read from the local cache so
-    far: `torch.compiler.save_cache_artifacts()`, plus the compiled C++ kernel libraries of
-    its CPU graphs: `_kernel_libraries`) behind a header with `compile_cache_fingerprint()`.
-    Call `load_compile_cache` first, before anything compiles: it sets the options the file
-    is for. Atomic: written to a temporary file beside `path` (its parent directories
-    created) and renamed over it. Return whether it wrote: False when nothing compiled with
-    Inductor yet, or when `path` already holds every artifact and kernel library for this
-    fingerprint (a process that loaded it and compiled nothing new)."""
+    far: `torch.compiler.save_cache_artifacts()`, one batch per kind, plus the compiled C++
+    kernel libraries of its CPU graphs: `_kernel_libraries`) behind a header with
+    `compile_cache_fingerprint()`, the size and sha256 of each artifact batch and of each
+    kernel library. Call `load_compile_cache` first, before anything compiles: it sets the
+    options the file is for. Atomic: written to a temporary file beside `path` (its parent
+    directories created) and renamed over it. Return whether it wrote: False when nothing
+    compiled with Inductor yet, or when `path` already holds every artifact and kernel
+    library for this fingerprint (a process that loaded it and compiled nothing new)."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return False
-    artifacts, info = _merged(saved[0]), saved[1]
+    batches, info = _batches(saved[0]), saved[1]
     kernels = _kernel_libraries()
     fingerprint, keys = compile_cache_fingerprint(), {kind: sorted(names) for kind, names in info.artifacts.items()}
     target = Path(path)
@@ -201,16 +211,17 @@ def save_compile_cache(path: str | os.PathLike[str]) -> bool:
             held is not None
             and all(held.get(key) == value for key, value in fingerprint.items())
             and all(set(names) <= set(held.get("artifacts", {}).get(kind, ())) for kind, names in keys.items())
-            and set(kernels) <= {name for name, _ in held.get("kernels", ())}
+            and set(kernels) <= {entry[0] for entry in held.get("kernels", ()) if isinstance(entry, list) and entry}
         ):
             return False
-    payload = artifacts + b"".join(kernels.values())
+    entries = [*batches, *kernels.items()]
+    payload = b"".join(data for _, data in entries)
     header = {
         **fingerprint,
         "bytes": len(payload),
         "artifacts": keys,
-        "artifact_bytes": len(artifacts),
-        "kernels": [[name, len(data)] for name, data in kernels.items()],
+        "artifact_batches": [[kind, len(data), _sha256(data)] for kind, data in batches],
+        "kernels": [[name, len(data), _sha256(data)] for name, data in kernels.items()],
     }
     target.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(target, _MAGIC + json.dumps(header).encode() + b"\n" + payload)
@@ -231,23 +242,35 @@ def _write_atomic(target: Path, data: bytes, mode: int | None = None) -> None:
         raise
 
 
-def _kernels(header: dict[str, Any], payload: bytes) -> dict[str, bytes] | None:
-    """The kernel libraries of a file (its path in Inductor's cache directory -> its bytes),
-    after its artifacts; None when the header does not describe them."""
-    listed, offset = header.get("kernels"), header.get("artifact_bytes")
-    if not isinstance(listed, list) or not isinstance(offset, int):
-        return None
-    kernels = {}
-    for entry in listed:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], int)):
+def _entries(header: dict[str, Any], payload: bytes) -> tuple[list[list[Any]], list[list[Any]]] | None:
+    """The artifact batches and kernel libraries the header lists, each [kind or path in
+    Inductor's cache directory, bytes, sha256 recorded, its bytes in `payload`]; None when
+    the header does not describe `payload`."""
+    found: list[list[list[Any]]] = []
+    offset = 0
+    for listed in (header.get("artifact_batches"), header.get("kernels")):
+        if not isinstance(listed, list):
             return None
-        name, size = entry
-        parts = name.split("/") if isinstance(name, str) else []
+        entries = []
+        for entry in listed:
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and isinstance(entry[0], str)
+                and isinstance(entry[1], int)
+                and entry[1] >= 0
+                and isinstance(entry[2], str)
+            ):
+                return None
+            name, size, digest = entry
+            entries.append([name, size, digest, payload[offset : offset + size]])
+            offset += size
+        found.append(entries)
+    for name, *_ in found[1]:
+        parts = name.split("/")
         if len(parts) != 2 or not all(parts) or ".." in parts or not parts[1].endswith(".so"):
             return None  # only files <dir>/<name>.so inside Inductor's cache directory
-        kernels[name] = payload[offset : offset + size]
-        offset += size
-    return kernels if offset == len(payload) else None
+    return (found[0], found[1]) if offset == len(payload) else None
 
 
 def load_compile_cache(path: str | os.PathLike[str]) -> bool:
@@ -263,7 +286,9 @@ def load_compile_cache(path: str | os.PathLike[str]) -> bool:
     (`compile_cache_fingerprint()`: another torch, Python, machine, CPU ISA, GPU or options)
     or by another version of this module, whose artifacts this process could not use. A
     file that is no compile cache, or a truncated or corrupt one, raises ValueError naming
-    `path`."""
+    `path`; so does one whose artifact batch or kernel library fails its sha256 (naming the
+    entry): every checksum is verified before anything reaches torch or Inductor's cache
+    directory."""
     for module, option, value in _options():
         setattr(module, option, value)
     target = Path(path)
@@ -281,8 +306,8 @@ def load_compile_cache(path: str | os.PathLike[str]) -> bool:
             stacklevel=2,
         )
         return False
-    kernels = None if header is None or header.get("bytes") != len(payload) else _kernels(header, payload)
-    if kernels is None:
+    entries = None if header is None or header.get("bytes") != len(payload) else _entries(header, payload)
+    if entries is None:
         problem = "it is no compile cache" if header is None else "it is truncated or corrupt"
         raise ValueError(f"compile cache {target}: {problem} (save_compile_cache writes one)")
     here = compile_cache_fingerprint()
@@ -294,10 +319,18 @@ def load_compile_cache(path: str | os.PathLike[str]) -> bool:
             stacklevel=2,
         )
         return False
-    if torch.compiler.load_cache_artifacts(payload[: header["artifact_bytes"]]) is None:
-        raise ValueError(f"compile cache {target}: torch could not read its artifacts (truncated or corrupt)")
+    batches, kernels = entries
+    for what, listed in (("artifact batch", batches), ("kernel library", kernels)):
+        for name, _, digest, data in listed:
+            if _sha256(data) != digest:
+                raise ValueError(
+                    f"compile cache {target}: {what} {name!r} fails its sha256 check (corrupt); nothing loaded"
+                )
+    for kind, _, _, data in batches:
+        if torch.compiler.load_cache_artifacts(data) is None:
+            raise ValueError(f"compile cache {target}: torch could not read its artifact batch {kind!r}")
     root = _inductor_dir()
-    for name, data in kernels.items():
+    for name, _, _, data in kernels:
         library = root / name
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -68,15 +69,30 @@ def _artifacts(monkeypatch, tmp_path: Path, **keys: list[str]) -> list[bytes]:
     return loaded
 
 
-_MAGIC = b"compiled_loss compile cache 2\n"
+_MAGIC = b"compiled_loss compile cache 3\n"
+
+
+def _batches(path: Path) -> list[bytes]:
+    """The artifact batches in the file at `path`, as torch reads each."""
+    data = path.read_bytes()
+    offset, batches = data.index(b"\n", len(_MAGIC)) + 1, []
+    for _, size, _ in _header(path)["artifact_batches"]:
+        batches.append(data[offset : offset + size])
+        offset += size
+    return batches
 
 
 def _payload(path: Path) -> dict[str, list[tuple[str, bytes]]]:
     """The artifacts (kind -> key, content) in the file at `path`."""
-    data = path.read_bytes()
-    start = data.index(b"\n", len(_MAGIC)) + 1
-    artifacts = CacheArtifactManager.deserialize(data[start : start + _header(path)["artifact_bytes"]])
-    return {kind: [(a.key, a.content) for a in found] for kind, found in artifacts.items()}
+    found = {}
+    for batch in _batches(path):
+        ((kind, artifacts),) = CacheArtifactManager.deserialize(batch).items()  # one kind a batch
+        found[kind] = [(a.key, a.content) for a in artifacts]
+    return found
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _header(path: Path) -> dict:
@@ -102,13 +118,15 @@ def test_save_writes_the_artifacts_behind_a_header_and_load_hands_them_to_torch(
     _artifacts(monkeypatch, tmp_path, inductor=["fx2", "fx1"], aot_autograd=["aot"])
     assert save_compile_cache(path) is True  # parent directories created
     assert sorted(p.name for p in path.parent.iterdir()) == ["cache.bin"]  # no temporary file left
-    payload = torch.compiler.save_cache_artifacts()[0]
+    batches = _batches(path)
     assert _header(path) == {
         **compile_cache_fingerprint(),
-        "bytes": len(payload) + len(b"\x7fELF probe"),
+        "bytes": sum(map(len, batches)) + len(b"\x7fELF probe"),
         "artifacts": {"inductor": ["fx1", "fx2"], "aot_autograd": ["aot"]},
-        "artifact_bytes": len(payload),
-        "kernels": [[_PROBE, len(b"\x7fELF probe")]],  # not the kernel library it has not loaded
+        "artifact_batches": [
+            [kind, len(batch), _sha256(batch)] for kind, batch in zip(("inductor", "aot_autograd"), batches)
+        ],
+        "kernels": [[_PROBE, len(b"\x7fELF probe"), _sha256(b"\x7fELF probe")]],  # not the library it has not loaded
     }
     assert _payload(path) == {
         "inductor": [("fx2", b"graph fx2"), ("fx1", b"graph fx1")],
@@ -118,7 +136,7 @@ def test_save_writes_the_artifacts_behind_a_header_and_load_hands_them_to_torch(
     fresh = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     (fresh / _PROBE).unlink()
     assert load_compile_cache(path) is True
-    assert loaded == [payload]
+    assert loaded == batches
     assert (fresh / _PROBE).read_bytes() == b"\x7fELF probe" and os.access(fresh / _PROBE, os.X_OK)
     assert [(module, option, getattr(module, option)) for module, option, _ in _options()] == _options()
 
@@ -132,7 +150,7 @@ def test_the_kernel_libraries_the_process_loaded_travel(monkeypatch, tmp_path):
     ctypes.CDLL(str(kernel))
     path = tmp_path / "cache.bin"
     assert save_compile_cache(path) is True
-    assert [name for name, _ in _header(path)["kernels"]] == ["ke/ckernel.main.so", _PROBE]
+    assert [name for name, _, _ in _header(path)["kernels"]] == ["ke/ckernel.main.so", _PROBE]
     _artifacts(monkeypatch, tmp_path)
     fresh = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     (fresh / "ke" / "ckernel.main.so").unlink()
@@ -207,14 +225,50 @@ class TestRefusals(TestCase):
         )
 
     def test_a_file_another_version_wrote_is_skipped_with_a_warning(self):
-        self.path.write_bytes(self.path.read_bytes().replace(_MAGIC, b"compiled_loss compile cache 1\n"))
+        self.path.write_bytes(self.path.read_bytes().replace(_MAGIC, b"compiled_loss compile cache 2\n"))
         self.assertExpectedInline(
             self._warning(),
-            """compile cache PATH not loaded: another version of compiled_loss wrote it ('compiled_loss compile cache 1', here 'compiled_loss compile cache 2'); everything compiles anew""",
+            """compile cache PATH not loaded: another version of compiled_loss wrote it ('compiled_loss compile cache 2', here 'compiled_loss compile cache 3'); everything compiles anew""",
         )
 
     def test_a_kernel_outside_the_cache_directory_raises(self):
         self.path.write_bytes(self.path.read_bytes().replace(_PROBE.encode(), b"../probe.so"))
+        self.assertExpectedInline(
+            self._error(), """compile cache PATH: it is truncated or corrupt (save_compile_cache writes one)"""
+        )
+
+    def test_a_kernel_library_corrupt_at_its_length_is_refused_before_anything_is_loaded(self):
+        # a library damaged in place: the file's sizes all hold, its sha256 does not; neither
+        # torch nor Inductor's cache directory gets anything (the artifacts are intact)
+        fresh = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        (fresh / _PROBE).unlink()
+        data = self.path.read_bytes()
+        assert data.endswith(b"\x7fELF probe")
+        self.path.write_bytes(data[:-5] + b"PROBE")
+        self.assertExpectedInline(
+            self._error(),
+            """compile cache PATH: kernel library 'pr/cprobe.so' fails its sha256 check (corrupt); nothing loaded""",
+        )
+        assert not (fresh / _PROBE).exists()
+
+    def test_a_corrupt_artifact_batch_is_refused_before_anything_is_loaded(self):
+        fresh = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        (fresh / _PROBE).unlink()
+        data = self.path.read_bytes()
+        assert data.count(b"graph fx1") == 1
+        self.path.write_bytes(data.replace(b"graph fx1", b"graph fx9"))
+        self.assertExpectedInline(
+            self._error(),
+            """compile cache PATH: artifact batch 'inductor' fails its sha256 check (corrupt); nothing loaded""",
+        )
+        assert not (fresh / _PROBE).exists()
+
+    def test_a_header_without_checksums_raises(self):
+        header = _header(self.path)
+        data = self.path.read_bytes()
+        start = data.index(b"\n", len(_MAGIC)) + 1
+        header["kernels"] = [entry[:2] for entry in header["kernels"]]  # sizes only
+        self.path.write_bytes(_MAGIC + json.dumps(header).encode() + b"\n" + data[start:])
         self.assertExpectedInline(
             self._error(), """compile cache PATH: it is truncated or corrupt (save_compile_cache writes one)"""
         )
@@ -329,7 +383,7 @@ def test_a_fresh_process_given_the_file_reads_every_graph_and_kernel_instead_of_
         "inductor": 3,
         "aot_autograd": compiled_by_aot,
     }
-    assert sum(name.endswith(".main.so") for name, _ in header["kernels"]) >= 3  # f's, f's backward's, g's
+    assert sum(name.endswith(".main.so") for name, _, _ in header["kernels"]) >= 3  # f's, f's backward's, g's
     second = _fresh_process(tmp_path, "second", str(path), "load", "1")
     assert second["loaded"] is True
     # every graph of both saves read from the artifacts, compiled by neither Inductor nor
