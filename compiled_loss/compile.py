@@ -12,8 +12,8 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -194,9 +194,11 @@ def save_compile_cache(path: str | os.PathLike[str]) -> bool:
     `compile_cache_fingerprint()`, the size and sha256 of each artifact batch and of each
     kernel library. Call `load_compile_cache` first, before anything compiles: it sets the
     options the file is for. Atomic: written to a temporary file beside `path` (its parent
-    directories created) and renamed over it. Return whether it wrote: False when nothing
-    compiled with Inductor yet, or when `path` already holds every artifact and kernel
-    library for this fingerprint (a process that loaded it and compiled nothing new)."""
+    directories created) and renamed over it; the file gets the mode `open()` gives a new
+    file (0o666 less the umask), so other users can read a shared cache. Return whether it
+    wrote: False when nothing compiled with Inductor yet, or when `path` already holds every
+    artifact and kernel library for this fingerprint (a process that loaded it and compiled
+    nothing new)."""
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return False
@@ -229,8 +231,10 @@ def save_compile_cache(path: str | os.PathLike[str]) -> bool:
 
 
 def _write_atomic(target: Path, data: bytes, mode: int | None = None) -> None:
-    """`data` written to a temporary file beside `target` and renamed over it."""
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    """`data` written to a temporary file beside `target` and renamed over it: with `mode`,
+    or else the mode `open()` gives a new file (0o666 less the umask)."""
+    temporary = target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -238,7 +242,7 @@ def _write_atomic(target: Path, data: bytes, mode: int | None = None) -> None:
             os.chmod(temporary, mode)
         os.replace(temporary, target)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
 
 

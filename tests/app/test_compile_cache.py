@@ -173,6 +173,23 @@ def test_the_batches_of_several_saves_in_one_process_reach_the_file_as_one_per_k
     assert _payload(path) == {"inductor": [("fx1", b"fx1"), ("fx2", b"fx2")], "aot_autograd": [("aot1", b"aot1")]}
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=lambda umask: f"umask {umask:03o}")
+def test_the_file_gets_the_mode_open_gives_and_the_kernel_libraries_0755(monkeypatch, tmp_path, umask):
+    # a shared cache: workers running as other users read what rank 0 wrote, as umask allows
+    path = tmp_path / "cache.bin"
+    _artifacts(monkeypatch, tmp_path, inductor=["fx1"])
+    before = os.umask(umask)
+    try:
+        assert save_compile_cache(path) is True
+        _artifacts(monkeypatch, tmp_path)
+        fresh = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        (fresh / _PROBE).unlink()
+        assert load_compile_cache(path) is True
+    finally:
+        os.umask(before)
+    assert (path.stat().st_mode & 0o777, (fresh / _PROBE).stat().st_mode & 0o777) == (0o666 & ~umask, 0o755)
+
+
 def test_save_leaves_a_file_that_holds_every_artifact_and_rewrites_one_that_lacks_some(monkeypatch, tmp_path):
     path = tmp_path / "cache.bin"
     _artifacts(monkeypatch, tmp_path, inductor=["fx1", "fx2"])
