@@ -9,8 +9,9 @@ it. `load_config` rejects, before anything is built: unknown keys (including Hyd
 silently accepted `+key=` additions), invalid values and impossible combinations — each
 message names the key — and, beyond what `Config` checks, what only the application knows:
 a run whose largest allocations exceed this machine's memory, a seed and step count that
-overflow the sampler's generator seed, a warm start that leaves the loss no step, and a
-logger whose package is not installed.
+overflow the sampler's generator seed, a warm start that leaves the loss no step, a
+logger whose package is not installed, and a `run.compile_cache` the run could not read or
+write.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
@@ -238,13 +240,49 @@ def _check_speculative(config: Config) -> None:
     )
 
 
+def _accessible(path: Path, mode: int) -> bool:
+    """Whether this process (its effective user and groups, as it opens files) may access
+    `path` with `mode` (`os.R_OK`, …): a read-only file system included."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def _check_compile_cache(path: str | None) -> None:
+    """`run.compile_cache` as the run uses it: every rank reads the file at start when it
+    exists (a regular file it may read); rank 0 (torchrun's `RANK`) writes it after a step
+    that compiled something it lacks — a temporary file in its directory renamed over it, the
+    missing directories created — so there the file, when it exists, and the directory must be
+    writable, or the nearest existing directory above when it must be created."""
+    if path is None:
+        return
+    given, target = f"run.compile_cache={path}", Path(path)
+    require(not target.is_dir(), f"{given} is a directory: name a file (in it, say: {target / 'cache.bin'})")
+    exists = target.exists()
+    if exists:
+        require(target.is_file(), f"{given} is not a regular file: name a file the run may read and replace")
+        require(_accessible(target, os.R_OK), f"{given}: the file is not readable (every rank reads it at start)")
+    if os.environ.get("RANK", "0") != "0":
+        return  # only rank 0 writes it
+    writes = "rank 0 writes it after a step that compiled something it lacks"
+    if exists:
+        require(_accessible(target, os.W_OK), f"{given}: the file is not writable ({writes})")
+    directory, above = target.parent, target.parent
+    while not above.exists() and not above.is_symlink():  # a dangling link is in the way too
+        above = above.parent
+    created = "" if above == directory else f"the directory {directory} cannot be created: "
+    require(above.is_dir(), f"{given}: {created}{above} is not a directory ({writes})")
+    require(
+        _accessible(above, os.W_OK | os.X_OK), f"{given}: {created}the directory {above} is not writable ({writes})"
+    )
+
+
 def check_run(config: Config) -> None:
     """What `Config` cannot check: the run's largest allocations (`allocations`) against this
     machine's memory — the bound of every size no data-derived bound covers: the model's and
     the drafter's widths and depths, the batch, the bucket grid —, `run.seed` with the step
     count against the sampler's 64-bit generator seed (tried at the first and the last step),
     that the warm start leaves at least one of `run.steps` to the loss, that each logger
-    of `run.loggers` has its package, and what speculative sampling needs (`_check_speculative`)."""
+    of `run.loggers` has its package, what speculative sampling needs (`_check_speculative`) and
+    that the run can read and write `run.compile_cache` (`_check_compile_cache`)."""
     found = allocations(config)
     need, have = sum(b for _, b in found), memory_bytes()
     _, _, batch_keys = config.longest_micro_batch()
@@ -272,6 +310,7 @@ def check_run(config: Config) -> None:
     )
     check_installed(run.loggers)
     _check_speculative(config)
+    _check_compile_cache(run.compile_cache)
 
 
 def load_config(cfg: DictConfig) -> Config:

@@ -68,6 +68,16 @@ def test_a_configuration_error_is_one_line_and_exit_status_2():
     assert full.returncode == 1 and "Traceback" in full.stderr and "optim.lr must be > 0" in full.stderr
 
 
+@pytest.mark.slow  # a process that composes the config
+def test_an_unusable_compile_cache_is_one_line_and_exit_status_2():
+    cache = _run("run.compile_cache=/dev/null/cache.bin")
+    assert (cache.returncode, cache.stdout) == (2, "")
+    assert cache.stderr.splitlines() == [
+        "error: run.compile_cache=/dev/null/cache.bin: /dev/null is not a directory (rank 0 writes it after a step "
+        "that compiled something it lacks)"
+    ]
+
+
 def test_help_lists_groups_options_and_every_keys_docstring():
     text = help_text()
     groups = text.split("== Configuration groups ==")[1].split("== Config ==")[0]

@@ -7,13 +7,16 @@ cache raises."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -311,6 +314,105 @@ class TestRefusals(TestCase):
         with pytest.raises(ConfigError) as info:
             RunConfig(compile_cache="")
         self.assertExpectedInline(str(info.value), """run.compile_cache must name a file or be null, got ''""")
+
+
+@contextlib.contextmanager
+def _as_another_user():
+    """Run the block as a user without root's pass through file modes (as the user `nobody`
+    when the tests run as root; as the user itself otherwise)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+class TestAnUnusablePathIsRefusedWhenTheConfigLoads(TestCase):
+    """A `run.compile_cache` the run could not read at start or write after its first
+    compiles is refused when the config loads, naming the key, not after minutes of
+    compiling."""
+
+    @pytest.fixture(autouse=True)
+    def _setup(self, monkeypatch):
+        self.root = Path(tempfile.mkdtemp(prefix="compile_cache_"))  # a directory every user may write in
+        self.root.chmod(0o777)
+        monkeypatch.delenv("RANK", raising=False)
+        self.monkeypatch = monkeypatch
+        yield
+        for path in (self.root, *self.root.rglob("*")):
+            path.chmod(0o755)
+        shutil.rmtree(self.root)
+
+    def _refusal(self, path: Path) -> str | None:
+        with _as_another_user():
+            try:
+                compose_config(f"run.compile_cache={path}")
+            except ConfigError as e:
+                return str(e).replace(str(self.root), "ROOT")
+        return None
+
+    def test_a_directory(self):
+        (self.root / "cache").mkdir()
+        self.assertExpectedInline(
+            self._refusal(self.root / "cache"),
+            """run.compile_cache=ROOT/cache is a directory: name a file (in it, say: ROOT/cache/cache.bin)""",
+        )
+
+    def test_a_device(self):
+        self.assertExpectedInline(
+            self._refusal(Path("/dev/null")),
+            """run.compile_cache=/dev/null is not a regular file: name a file the run may read and replace""",
+        )
+
+    def test_a_directory_that_cannot_be_created(self):
+        (self.root / "file").write_text("a file")
+        self.assertExpectedInline(
+            self._refusal(self.root / "file" / "cache.bin"),
+            """run.compile_cache=ROOT/file/cache.bin: ROOT/file is not a directory (rank 0 writes it after a step that compiled something it lacks)""",
+        )
+        self.assertExpectedInline(
+            self._refusal(self.root / "file" / "deep" / "cache.bin"),
+            """run.compile_cache=ROOT/file/deep/cache.bin: the directory ROOT/file/deep cannot be created: ROOT/file is not a directory (rank 0 writes it after a step that compiled something it lacks)""",
+        )
+
+    def test_a_read_only_directory(self):
+        (self.root / "ro").mkdir()
+        (self.root / "ro" / "cache.bin").write_bytes(b"")
+        (self.root / "ro" / "cache.bin").chmod(0o666)
+        (self.root / "ro").chmod(0o555)
+        self.assertExpectedInline(
+            self._refusal(self.root / "ro" / "cache.bin"),
+            """run.compile_cache=ROOT/ro/cache.bin: the directory ROOT/ro is not writable (rank 0 writes it after a step that compiled something it lacks)""",
+        )
+        self.assertExpectedInline(
+            self._refusal(self.root / "ro" / "new" / "cache.bin"),
+            """run.compile_cache=ROOT/ro/new/cache.bin: the directory ROOT/ro/new cannot be created: the directory ROOT/ro is not writable (rank 0 writes it after a step that compiled something it lacks)""",
+        )
+        self.monkeypatch.setenv("RANK", "1")  # a rank that only reads it
+        assert self._refusal(self.root / "ro" / "cache.bin") is None
+
+    def test_a_file_the_run_may_not_read_or_write(self):
+        cache = self.root / "cache.bin"
+        cache.write_bytes(b"")
+        cache.chmod(0o222)
+        self.assertExpectedInline(
+            self._refusal(cache),
+            """run.compile_cache=ROOT/cache.bin: the file is not readable (every rank reads it at start)""",
+        )
+        cache.chmod(0o444)
+        self.assertExpectedInline(
+            self._refusal(cache),
+            """run.compile_cache=ROOT/cache.bin: the file is not writable (rank 0 writes it after a step that compiled something it lacks)""",
+        )
+        self.monkeypatch.setenv("RANK", "1")
+        assert self._refusal(cache) is None
+        self.monkeypatch.setenv("RANK", "0")
+        cache.chmod(0o666)
+        assert self._refusal(cache) is None
+        assert self._refusal(self.root / "new" / "deeper" / "cache.bin") is None  # rank 0 creates them
 
 
 def test_a_resume_reads_its_graphs_from_any_compile_cache(tmp_path):
