@@ -7,9 +7,15 @@ logits: the log-probabilities come from `LinearLogits` (`compiled_loss.vocab`: r
 a recomputing backward), the JSD from row chunks recomputed in the backward. The GRPO and
 NLL objectives are the library's `ClippedPGLossFn` and `NLLLossFn` with the normalisers the
 module computes from its arguments, as TRL's trainers and Liger do. Each module compiles its
-objective once per shape bucket (`compiled=True`, fullgraph): the token dimension is padded
-on the host to `bucket`'s width grid (masked), so a new completion length recompiles only
-when it crosses into a new bucket.
+objective once per shape bucket (`compiled=True`, fullgraph; a `torch.compile` backend name
+or callable in place of True compiles with that backend): the token dimension is padded on
+the host to `bucket`'s width grid (masked), so a new completion length recompiles only when
+it crosses into a new bucket. A module compiles at most `max_buckets` buckets (default 64;
+Dynamo's recompile limit for its objective is raised to that, and each instance has a
+budget of its own): the call that would compile one more is refused on the host with a
+ValueError naming the bucket and `max_buckets`, before anything compiles. A bucket is
+everything the graph is specialised on: the padded shapes, the dtypes, which optional
+tensors are None, which require a gradient, and the grad mode.
 
 An argument a module cannot honour (a Liger loss type or option not listed in its
 docstring) is refused in the constructor or the call with a ValueError naming it.
@@ -18,6 +24,7 @@ docstring) is refused in the constructor or the call with a ValueError naming it
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +33,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from compiled_loss.compile import compile_loss
+from compiled_loss.compile import admit_bucket, compile_loss
 from compiled_loss.losses import ClippedPGLossConfig, ClippedPGLossFn, NLLLossFn, calculate_kl
 from compiled_loss.packing import BucketGrid
 from compiled_loss.packing.layout import round_to_bucket
@@ -53,20 +60,77 @@ def _shape(who: str, name: str, value: Tensor | None, shape: tuple[int, ...]) ->
 
 
 def _pad_width(width: int, *tensors: Tensor | None) -> list[Tensor | None]:
-    """Zero-pad dimension 1 of each tensor to `width`."""
+    """Each tensor zero-padded along dimension 1 to `width`, contiguous (a view's strides,
+    which compiled code specialises on, never reach it)."""
     out = []
     for t in tensors:
         if t is not None and t.shape[1] != width:
             pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
             t = F.pad(t, pad)
-        out.append(t)
+        out.append(None if t is None else t.contiguous())
     return out
 
 
-def _objective(fn: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
-    """A module's objective: compiled (`compile_loss`, fullgraph, static shapes: one graph
-    per bucket) when `compiled`, else `fn` itself."""
-    return compile_loss(fn, fullgraph=True, dynamic=False) if compiled else fn
+def _describe(value: Any) -> str:
+    """One argument of a compiled objective as its bucket key writes it: a tensor's dtype,
+    shape, strides when not contiguous and `grad` when it requires one; anything else as is."""
+    if not isinstance(value, Tensor):
+        return str(value).removeprefix("torch.")
+    text = f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if not value.is_contiguous():
+        text += f" strides {list(value.stride())}"
+    return text + (" grad" if value.requires_grad else "")
+
+
+def _bucket(args: tuple[Any, ...]) -> str:
+    """The shape bucket of a call to a compiled objective: everything its graph is
+    specialised on — each argument (`_describe`: which optional tensors are None, every
+    shape and dtype) and the grad mode."""
+    return f"({', '.join(map(_describe, args))}; grad {'on' if torch.is_grad_enabled() else 'off'})"
+
+
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The bound `method` on a copy of its function with a code object of its own. Dynamo
+    keeps a function's graphs, and counts them against the recompile limit, per code
+    object: without the copy, every instance of a module class (each with its own config)
+    would draw on one shared budget of graphs."""
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__qualname__, own.__kwdefaults__ = fn.__qualname__, fn.__kwdefaults__
+    return types.MethodType(own, method.__self__)
+
+
+class _Objective:
+    """A module's objective, compiled or not, with the shape buckets it has compiled for.
+
+    `compiled`: False runs `method` eagerly; True compiles it with Inductor, a backend name
+    or callable with that `torch.compile` backend (`"aot_eager"`, say) — fullgraph, static
+    shapes: one graph per shape bucket, at most `max_buckets` of them (Dynamo's recompile
+    limit for it, raised to that). A call that would compile bucket `max_buckets + 1` is
+    refused with a ValueError before anything compiles."""
+
+    def __init__(self, who: str, method: Callable[..., Any], compiled: Any, max_buckets: int) -> None:
+        _require(
+            isinstance(max_buckets, int) and not isinstance(max_buckets, bool) and max_buckets >= 1,
+            f"{who}: max_buckets must be an int >= 1, got {max_buckets!r}",
+        )
+        _require(
+            isinstance(compiled, (bool, str)) or callable(compiled),
+            f"{who}: compiled must be a bool or a torch.compile backend (a name or a callable), got {compiled!r}",
+        )
+        self.who, self.max_buckets, self.compiled = who, max_buckets, compiled is not False
+        self.buckets: set[str] = set()
+        self.fn = method
+        if self.compiled:
+            backend = "inductor" if compiled is True else compiled
+            self.fn = compile_loss(
+                _own_code(method), fullgraph=True, dynamic=False, backend=backend, recompile_limit=max_buckets
+            )
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled:
+            admit_bucket(self.buckets, _bucket(args), self.max_buckets, self.who, "max_buckets")
+        return self.fn(*args)
 
 
 def _token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float, chunk_size):
@@ -103,7 +167,7 @@ class FusedLinearGRPOLoss(nn.Module):
     def __init__(
         self,
         beta: float = 0.04,
-        compiled: bool = True,
+        compiled: bool | str | Callable[..., Any] = True,
         use_ref_model: bool = True,
         chunk_size: int | None = None,
         epsilon_low: float = 0.2,
@@ -115,6 +179,7 @@ class FusedLinearGRPOLoss(nn.Module):
         delta: float | None = None,
         use_bias_correction_kl: bool = False,
         bucket: BucketGrid = DEFAULT_BUCKET,
+        max_buckets: int = 64,
     ) -> None:
         super().__init__()
         who = "FusedLinearGRPOLoss"
@@ -142,7 +207,7 @@ class FusedLinearGRPOLoss(nn.Module):
                 metrics_level="minimal",
             )
         )
-        self._objective = _objective(self._grpo, compiled)
+        self._objective = _Objective("FusedLinearGRPOLoss", self._grpo, compiled, max_buckets)
 
     def forward(
         self,
@@ -256,9 +321,10 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         reduction: str = "mean",
         softcap: float | None = None,
         return_z_loss: bool = False,
-        compiled: bool = True,
+        compiled: bool | str | Callable[..., Any] = True,
         chunk_size: int | None = None,
         bucket: BucketGrid = DEFAULT_BUCKET,
+        max_buckets: int = 64,
     ) -> None:
         super().__init__()
         who = "FusedLinearCrossEntropyLoss"
@@ -275,7 +341,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             _require(value is neutral or value == neutral, f"{who}: {name} is not supported, got {value!r}")
         self.ignore_index, self.reduction, self.chunk_size, self.bucket = ignore_index, reduction, chunk_size, bucket
         self.loss_fn = NLLLossFn()
-        self._objective = _objective(self._cross_entropy, compiled)
+        self._objective = _Objective("FusedLinearCrossEntropyLoss", self._cross_entropy, compiled, max_buckets)
 
     def forward(self, lin_weight: Tensor, _input: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
         who = "FusedLinearCrossEntropyLoss"
@@ -320,19 +386,20 @@ class FusedLinearDPOLoss(nn.Module):
         beta: float = 0.1,
         alpha: float = 1.0,
         compute_nll_loss: bool = False,
-        compiled: bool = True,
+        compiled: bool | str | Callable[..., Any] = True,
         use_ref_model: bool = True,
         average_log_prob: bool = False,
         chunk_size: int | None = None,
         loss_type: str = "sigmoid",
         bucket: BucketGrid = DEFAULT_BUCKET,
+        max_buckets: int = 64,
     ) -> None:
         super().__init__()
         _require(loss_type == "sigmoid", f"FusedLinearDPOLoss: loss_type must be 'sigmoid', got {loss_type!r}")
         self.ignore_index, self.beta, self.alpha, self.compute_nll_loss = ignore_index, beta, alpha, compute_nll_loss
         self.use_ref_model, self.average_log_prob, self.chunk_size = use_ref_model, average_log_prob, chunk_size
         self.bucket = bucket
-        self._objective = _objective(self._dpo, compiled)
+        self._objective = _Objective("FusedLinearDPOLoss", self._dpo, compiled, max_buckets)
 
     def forward(
         self,
@@ -413,9 +480,10 @@ class FusedLinearJSDLoss(nn.Module):
         beta: float = 0.5,
         ignore_index: int = -100,
         temperature: float = 1.0,
-        compiled: bool = True,
+        compiled: bool | str | Callable[..., Any] = True,
         chunk_size: int = 1024,
         bucket: BucketGrid = DEFAULT_BUCKET,
+        max_buckets: int = 64,
     ) -> None:
         super().__init__()
         who = "FusedLinearJSDLoss"
@@ -425,7 +493,7 @@ class FusedLinearJSDLoss(nn.Module):
         self.weight_hard_loss, self.weight_soft_loss, self.beta = weight_hard_loss, weight_soft_loss, beta
         self.ignore_index, self.temperature, self.chunk_size = ignore_index, temperature, chunk_size
         self.bucket = bucket
-        self._objective = _objective(self._distillation, compiled)
+        self._objective = _Objective("FusedLinearJSDLoss", self._distillation, compiled, max_buckets)
 
     def forward(
         self,

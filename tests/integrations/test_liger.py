@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from expecttest import TestCase
 
 from compiled_loss.integrations import (
     FusedLinearCrossEntropyLoss,
@@ -188,4 +189,138 @@ def test_compiled_equals_eager_and_compiles_once_per_bucket():
             x["h"].view(-1, H),
             x["w"],
         ),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# shape buckets: one compile each, up to max_buckets, then a refusal before compiling
+# ---------------------------------------------------------------------------------------
+
+WIDTHS = (16, 31, 40, 64, 65, 90, 100, 128, 150, 180, 200, 250)
+"""One width in each of the default grid's 12 buckets up to 256 (16, 32, 48, …, 224, 256):
+TRL's `max_completion_length=256`."""
+
+
+class _Counting:
+    """A `torch.compile` backend that runs each graph eagerly (Dynamo's tracing is what the
+    limit counts) and counts the graphs it is handed."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _bucket_case(name, width):
+    """`(module class, config, call)`: `call(module)` runs one batch of `width` tokens
+    (2 rows for GRPO and DPO, `width` flat rows for CE and JSD) and returns the outputs
+    and the gradients of the hidden states and the head."""
+    g = torch.Generator().manual_seed(width)
+    h, v = 8, 16
+    w = torch.randn(v, h, generator=g) * 0.5
+    if name == "grpo":
+        x = torch.randn(2, width, h, generator=g)
+        ids, adv = torch.randint(0, v, (2, width), generator=g), torch.randn(2, generator=g)
+        mask, ref = (torch.rand(2, width, generator=g) > 0.2).float(), -torch.rand(2, width, generator=g)
+        return (
+            FusedLinearGRPOLoss,
+            dict(beta=0.04, loss_type="bnpo"),
+            lambda m: _run(lambda x, w: m(x, w, ids, mask, adv, ref_per_token_logps=ref), x, w),
+        )
+    if name == "dpo":
+        x = torch.randn(4, width, h, generator=g)
+        target = torch.randint(0, v, (4, width), generator=g).masked_fill(torch.rand(4, width, generator=g) < 0.2, -100)
+        return (
+            FusedLinearDPOLoss,
+            dict(use_ref_model=False, compute_nll_loss=True),
+            lambda m: _run(lambda w, x: m(w, x, target), w, x),
+        )
+    x = torch.randn(width, h, generator=g)
+    target = torch.randint(0, v, (width,), generator=g).masked_fill(torch.rand(width, generator=g) < 0.2, -100)
+    if name == "ce":
+        return FusedLinearCrossEntropyLoss, {}, lambda m: _run(lambda w, x: m(w, x, target), w, x)
+    teacher_x, teacher_w = torch.randn(width, 6, generator=g), torch.randn(v, 6, generator=g)
+    return (
+        FusedLinearJSDLoss,
+        dict(chunk_size=64),
+        lambda m: _run(lambda x, w: m(x, w, teacher_x, teacher_w, target), x, w),
+    )
+
+
+@pytest.mark.slow  # 12 Dynamo compiles per module (the eager backend: about 0.5-1 s each)
+class TestBuckets(TestCase):
+    """Each module compiles once per shape bucket, past Dynamo's default limit of 8 graphs
+    (`FailOnRecompileLimitHit` at the ninth bucket otherwise) up to `max_buckets`, equal to
+    the uncompiled module at every bucket; bucket `max_buckets + 1` is refused on the host
+    before it compiles, and the module keeps working on the buckets it has."""
+
+    def _refusal(self, name):
+        backend = _Counting()
+        cls, config, _ = _bucket_case(name, 1)
+        compiled, eager = cls(compiled=backend, max_buckets=12, **config), cls(compiled=False, **config)
+        for width in WIDTHS:
+            _, _, call = _bucket_case(name, width)
+            _assert_same(call(compiled), call(eager))
+        assert backend.graphs == len(compiled._objective.buckets) == len(WIDTHS) == 12
+        with pytest.raises(ValueError) as refused:
+            _bucket_case(name, 257)[2](compiled)
+        _, _, call = _bucket_case(name, 7)  # the 16-token bucket again: no compile
+        _assert_same(call(compiled), call(eager))
+        assert backend.graphs == 12
+        return str(refused.value)
+
+    def test_grpo(self):
+        self.assertExpectedInline(
+            self._refusal("grpo"),
+            """FusedLinearGRPOLoss: shape bucket (float32[2, 320, 8] grad, float32[16, 8] grad, None, int64[2, 320], float32[2, 320], float32[2], None, float32[2, 320], float32[], float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+        )
+
+    def test_cross_entropy(self):
+        self.assertExpectedInline(
+            self._refusal("ce"),
+            """FusedLinearCrossEntropyLoss: shape bucket (float32[1, 320, 8] grad, float32[16, 8] grad, None, int64[1, 320], float32[1, 320], float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+        )
+
+    def test_dpo(self):
+        self.assertExpectedInline(
+            self._refusal("dpo"),
+            """FusedLinearDPOLoss: shape bucket (float32[4, 320, 8] grad, float32[16, 8] grad, None, int64[4, 320], float32[4, 320], None, None, None, float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+        )
+
+    def test_jsd(self):
+        self.assertExpectedInline(
+            self._refusal("jsd"),
+            """FusedLinearJSDLoss: shape bucket (float32[320, 8] grad, float32[16, 8] grad, None, float32[320, 6], float32[16, 6], None, int64[320], float32[320], float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+        )
+
+
+@pytest.mark.slow  # 4 Dynamo compiles
+def test_each_instance_has_a_budget_of_its_own():
+    """Two modules with different configs compile 2 buckets each under `max_buckets=2`: the
+    graphs of one do not count against the other's limit."""
+    backend = _Counting()
+    modules = [FusedLinearCrossEntropyLoss(compiled=backend, max_buckets=2, reduction=r) for r in ("mean", "sum")]
+    for module in modules:
+        for width in (16, 32):
+            _bucket_case("ce", width)[2](module)
+    assert backend.graphs == 4
+
+
+def test_max_buckets_refusals():
+    x = _inputs()
+    with pytest.raises(ValueError, match="FusedLinearGRPOLoss: max_buckets must be an int >= 1, got 0"):
+        FusedLinearGRPOLoss(max_buckets=0)
+    with pytest.raises(ValueError, match="FusedLinearJSDLoss: compiled must be a bool or a torch.compile backend"):
+        FusedLinearJSDLoss(compiled=1)
+    ce = FusedLinearCrossEntropyLoss(compiled=_Counting(), max_buckets=1)
+    target = x["ids"].view(-1)
+    ce(x["w"], x["h"].view(-1, H), target)  # 28 rows: the 32-row bucket
+    with pytest.raises(ValueError) as refused:
+        ce(x["w"], x["h"].view(-1, H)[:5], target[:5])
+    assert str(refused.value) == (
+        "FusedLinearCrossEntropyLoss: shape bucket (float32[1, 16, 16], float32[50, 16], None, int64[1, 16], "
+        "float32[1, 16], float32[]; grad on) would be distinct bucket 2, and max_buckets=1 compiles at most that "
+        "many: raise it, or coarsen the bucket grid (a larger step or per_octave)"
     )
