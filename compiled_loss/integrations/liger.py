@@ -17,6 +17,13 @@ ValueError naming the bucket and `max_buckets`, before anything compiles. A buck
 everything the graph is specialised on: the padded shapes, the dtypes, which optional
 tensors are None, which require a gradient, and the grad mode.
 
+Dtypes are Liger's: the hidden states may differ from the head (bf16 hidden states with an
+fp32 head and bias, say). The head's projection runs in the autocast dtype inside
+`torch.autocast`, else in the hidden states' dtype, the head and bias cast to it (Liger's
+GRPO casts the head so; its DPO and JSD multiply with `@`, which under autocast does the
+same and outside it refuses mixed dtypes, which these modules take); the log-softmax and
+everything after it run in fp32, and each gradient comes back in its tensor's dtype.
+
 An argument a module cannot honour (a Liger loss type or option not listed in its
 docstring) is refused in the constructor or the call with a ValueError naming it.
 """
@@ -133,9 +140,27 @@ class _Objective:
         return self.fn(*args)
 
 
-def _token_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float, chunk_size):
-    """`log softmax(hidden @ Wᵀ + b) / τ)[ids]`, fp32, shaped like `ids`, from `LinearLogits`."""
-    logits = LinearLogits(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+def _projection_dtype(hidden: Tensor) -> torch.dtype:
+    """The dtype an LM head's projection of `hidden` runs in, as in Liger: inside
+    `torch.autocast` the autocast dtype, outside it the hidden states' own (bf16 hidden
+    states and an fp32 head: the head cast to bf16). Read on the host, passed to the
+    objective."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """`hidden @ weightᵀ + bias` in `dtype` (each factor cast to it: its gradient comes back
+    in its own dtype), then fp32."""
+    bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden.to(dtype), weight.to(dtype), bias).float()
+
+
+def _token_logprobs(hidden, weight, bias, ids, temperature: float, chunk_size, dtype: torch.dtype) -> Tensor:
+    """`log softmax(hidden @ Wᵀ + b) / τ)[ids]`, fp32, shaped like `ids`, from `LinearLogits`
+    (the projection in `dtype`)."""
+    logits = LinearLogits(hidden.reshape(-1, hidden.shape[-1]), weight, bias, dtype=dtype)
     if temperature != 1.0:
         logits = logits / temperature
     return token_logprobs(logits, ids.reshape(-1), chunk_size=chunk_size).view(ids.shape)
@@ -246,12 +271,12 @@ class FusedLinearGRPOLoss(nn.Module):
         mask = attention_mask.float()
         seqs, toks = self._normalisers(mask, num_items_in_batch)
         padded = round_to_bucket(width, self.bucket.width, self.bucket.per_octave)
-        hidden, ids, mask, old, ref = _pad_width(
-            padded, _input, selected_token_ids, mask, old_per_token_logps, ref_per_token_logps
-        )
+        old, ref = (None if x is None else x.float() for x in (old_per_token_logps, ref_per_token_logps))
+        hidden, ids, mask, old, ref = _pad_width(padded, _input, selected_token_ids, mask, old, ref)
         if not self.use_ref_model or self.beta == 0:
             ref = None  # no KL term: the loss reads no reference
-        return self._objective(hidden, lin_weight, bias, ids, mask, advantages.float(), old, ref, seqs, toks)
+        dtype = _projection_dtype(_input)
+        return self._objective(hidden, lin_weight, bias, ids, mask, advantages.float(), old, ref, seqs, toks, dtype)
 
     def _normalisers(self, mask: Tensor, num_items_in_batch: Tensor | int | None) -> tuple[Tensor, Tensor]:
         """`(sequences, tokens)` the loss divides by, as 0-d fp32 tensors (no host sync)."""
@@ -270,8 +295,8 @@ class FusedLinearGRPOLoss(nn.Module):
             return seqs, (total / world).clamp(min=1.0)
         return seqs, mask.sum().clamp(min=1.0)
 
-    def _grpo(self, hidden, weight, bias, ids, mask, advantages, old, ref, seqs, toks):
-        lp = _token_logprobs(hidden, weight, bias, ids, self.temperature, self.chunk_size) * mask
+    def _grpo(self, hidden, weight, bias, ids, mask, advantages, old, ref, seqs, toks, dtype):
+        lp = _token_logprobs(hidden, weight, bias, ids, self.temperature, self.chunk_size, dtype) * mask
         old = lp.detach() if old is None else old
         ref = lp.detach() if ref is None else ref
 
@@ -354,13 +379,13 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         padded = round_to_bucket(rows, self.bucket.width, self.bucket.per_octave)
         hidden, ids, mask = _pad_width(padded, _input[None], ids[None], keep[None].float())
         divisor = mask.sum().clamp(min=1.0) if self.reduction == "mean" else mask.new_ones(())
-        losses = self._objective(hidden, lin_weight, bias, ids, mask, divisor)
+        losses = self._objective(hidden, lin_weight, bias, ids, mask, divisor, _projection_dtype(_input))
         if self.reduction == "none":
             return losses[0, :rows]
         return losses.sum() if self.reduction == "sum" else losses
 
-    def _cross_entropy(self, hidden, weight, bias, ids, mask, divisor):
-        lp = _token_logprobs(hidden, weight, bias, ids, 1.0, self.chunk_size)
+    def _cross_entropy(self, hidden, weight, bias, ids, mask, divisor, dtype):
+        lp = _token_logprobs(hidden, weight, bias, ids, 1.0, self.chunk_size, dtype)
         if self.reduction == "none":
             return -lp * mask
         data = {"token_mask": F.pad(mask, (1, 0)), "sample_mask": mask.new_ones(1)}
@@ -430,20 +455,24 @@ class FusedLinearDPOLoss(nn.Module):
             padded, _input, ids, keep.float(), ref_input if self.use_ref_model else None
         )
         # Liger's logit means run over every position of the unpadded rows (ignored ones too).
-        positions = lin_weight.new_tensor(float(_input.shape[0] // 2 * _input.shape[1] * lin_weight.shape[0]))
-        return self._objective(hidden, lin_weight, bias, ids, mask, ref_hidden, ref_weight, ref_bias, positions)
+        count = _input.shape[0] // 2 * _input.shape[1] * lin_weight.shape[0]
+        positions = torch.tensor(float(count), device=_input.device)
+        dtypes = _projection_dtype(_input), None if ref_hidden is None else _projection_dtype(ref_hidden)
+        return self._objective(
+            hidden, lin_weight, bias, ids, mask, ref_hidden, ref_weight, ref_bias, positions, *dtypes
+        )
 
-    def _sums(self, hidden, weight, bias, ids, mask):
+    def _sums(self, hidden, weight, bias, ids, mask, dtype):
         """Per row: the summed log-prob of its kept targets."""
-        return (_token_logprobs(hidden, weight, bias, ids, 1.0, self.chunk_size) * mask).sum(-1)
+        return (_token_logprobs(hidden, weight, bias, ids, 1.0, self.chunk_size, dtype) * mask).sum(-1)
 
-    def _dpo(self, hidden, weight, bias, ids, mask, ref_hidden, ref_weight, ref_bias, positions):
+    def _dpo(self, hidden, weight, bias, ids, mask, ref_hidden, ref_weight, ref_bias, positions, dtype, ref_dtype):
         pairs = hidden.shape[0] // 2
-        sums = self._sums(hidden, weight, bias, ids, mask)
+        sums = self._sums(hidden, weight, bias, ids, mask, dtype)
         ref = torch.zeros_like(sums)
         if ref_hidden is not None:
             with torch.no_grad():
-                ref = self._sums(ref_hidden.detach(), ref_weight.detach(), ref_bias, ids, mask)
+                ref = self._sums(ref_hidden.detach(), ref_weight.detach(), ref_bias, ids, mask, ref_dtype)
         logps = sums
         if self.average_log_prob:
             logps, ref = sums / mask.sum(-1), ref / mask.sum(-1)
@@ -525,11 +554,13 @@ class FusedLinearJSDLoss(nn.Module):
             padded, student_input[None], teacher_input[None], ids[None], keep[None].float()
         )
         count = mask.sum().clamp(min=1.0)
+        student, teacher, ids, mask = student[0], teacher[0], ids[0], mask[0]
+        dtypes = _projection_dtype(student_input), _projection_dtype(teacher_input)
         return self._objective(
-            student[0], student_weight, student_bias, teacher[0], teacher_weight, teacher_bias, ids[0], mask[0], count
+            student, student_weight, student_bias, teacher, teacher_weight, teacher_bias, ids, mask, count, *dtypes
         )
 
-    def _distillation(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask, count):
+    def _distillation(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask, count, dtype, t_dtype):
         rows = student.shape[0]
         step = max(self.chunk_size, -(-rows // 16))
         total = student.new_zeros((), dtype=torch.float32)
@@ -545,16 +576,18 @@ class FusedLinearJSDLoss(nn.Module):
                 None if t_bias is None else t_bias.detach(),
                 ids[part],
                 mask[part],
+                dtype,
+                t_dtype,
                 use_reentrant=False,
             )
         return total / count
 
-    def _chunk(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask):
+    def _chunk(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask, dtype, t_dtype):
         """`Σ (w_hard · CE + w_soft · JSD_β)` over this chunk's kept rows."""
-        logits = F.linear(student, weight, bias).float()
+        logits = _linear(student, weight, bias, dtype)
         hard = -logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
         s = (logits / self.temperature).log_softmax(-1)
-        t = (F.linear(teacher, t_weight, t_bias).float() / self.temperature).log_softmax(-1)
+        t = (_linear(teacher, t_weight, t_bias, t_dtype) / self.temperature).log_softmax(-1)
         if self.beta == 0:
             soft = (t.exp() * (t - s)).sum(-1)
         elif self.beta == 1:

@@ -51,12 +51,17 @@ def _flatten(out):
     return [x for item in out for x in _flatten(item)]
 
 
-def _assert_same(ours, theirs):
+def _assert_same(ours, theirs, tol=None):
+    """Outputs and gradients equal within rtol 1e-5 — or, with `tol` (bf16 arithmetic), within
+    `tol` of each tensor's largest entry — and each gradient in the peer's dtype."""
     (out_a, grads_a), (out_b, grads_b) = ours, theirs
     values_a, values_b = _flatten(out_a), _flatten(out_b)
     assert len(values_a) == len(values_b)
+    assert [g.dtype for g in grads_a] == [g.dtype for g in grads_b]
     for a, b in zip(values_a + grads_a, values_b + grads_b):
-        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=RTOL, atol=ATOL)
+        a, b = a.detach().float(), b.detach().float()
+        rtol, atol = (RTOL, ATOL) if tol is None else (tol, tol * float(b.nan_to_num().abs().max().clamp(min=1.0)))
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -125,6 +130,91 @@ def test_jsd_matches_liger(beta):
         _run(lambda h, w: ours(h, w, teacher_h, teacher_w, labels), x["h"].view(-1, H), x["w"]),
         _run(lambda h, w: theirs(h, w, teacher_h, teacher_w, labels), x["h"].view(-1, H), x["w"]),
     )
+
+
+BF16_TOL = 2e-2
+"""bf16 arithmetic against the peer's: within 2 % of each tensor's largest entry."""
+
+
+def _mixed_inputs():
+    """bf16 hidden states (policy, reference, teacher) and fp32 heads and bias."""
+    x = _inputs()
+    g = torch.Generator().manual_seed(3)
+    x["h"] = x["h"].bfloat16()
+    x["ref_h"], x["ref_w"] = torch.randn(B, T, H, generator=g).bfloat16(), torch.randn(V, H, generator=g) * 0.3
+    x["teacher_h"], x["teacher_w"] = torch.randn(B * T, 12, generator=g).bfloat16(), torch.randn(V, 12, generator=g)
+    x["target"] = torch.where(x["mask"].bool(), x["ids"], -100)
+    return x
+
+
+def _mixed_case(name, compiled):
+    """`(ours, theirs, autocast)`: our module's call and the peer's on bf16 hidden states and
+    an fp32 head, and whether the peer needs `torch.autocast(bfloat16)` to take them. Liger's
+    GRPO casts the head to the hidden states' dtype itself; its DPO and JSD (and the dense
+    cross-entropy) multiply with `@`, which takes mixed dtypes only under autocast."""
+    x = _mixed_inputs()
+    if name == "grpo":
+        kw = dict(beta=0.04, loss_type="bnpo", temperature=0.7, use_bias_correction_kl=True)
+        call = dict(ref_per_token_logps=x["ref"], old_per_token_logps=x["old"])
+        ours, theirs = (
+            FusedLinearGRPOLoss(compiled=compiled, **kw),
+            liger.LigerFusedLinearGRPOLoss(compiled=False, **kw),
+        )
+
+        def run(module):
+            return _run(
+                lambda h, w, b: module(h, w, x["ids"], x["mask"], x["adv"], bias=b, **call), x["h"], x["w"], x["b"]
+            )
+
+        return lambda: run(ours), lambda: run(theirs), False
+    if name == "dpo":
+        kw = dict(beta=0.2, compute_nll_loss=True, alpha=0.5)
+        ours, theirs = FusedLinearDPOLoss(compiled=compiled, **kw), liger.LigerFusedLinearDPOLoss(compiled=False, **kw)
+
+        def run(module):
+            return _run(lambda w, h, b: module(w, h, x["target"], b, x["ref_h"], x["ref_w"]), x["w"], x["h"], x["b"])
+
+        return lambda: run(ours), lambda: run(theirs), True
+    if name == "jsd":
+        kw = dict(beta=0.5, temperature=2.0, weight_hard_loss=0.3, weight_soft_loss=0.7, chunk_size=8)
+        ours, theirs = FusedLinearJSDLoss(compiled=compiled, **kw), liger.LigerFusedLinearJSDLoss(compiled=False, **kw)
+        labels, h = x["target"].view(-1), x["h"].view(-1, H)
+
+        def run(module):
+            return _run(lambda h, w, b: module(h, w, x["teacher_h"], x["teacher_w"], labels, b), h, x["w"], x["b"])
+
+        return lambda: run(ours), lambda: run(theirs), True
+    ours, labels, h = FusedLinearCrossEntropyLoss(compiled=compiled), x["target"].view(-1), x["h"].view(-1, H)
+
+    def dense(w, h, b):
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w, b), labels)
+
+    return (
+        lambda: _run(lambda w, h, b: ours(w, h, labels, b), x["w"], h, x["b"]),
+        lambda: _run(dense, x["w"], h, x["b"]),
+        True,
+    )
+
+
+@pytest.mark.parametrize("compiled", [False, "eager"])  # eager: Dynamo traces the objective (fullgraph)
+@pytest.mark.parametrize("name", ["grpo", "ce", "dpo", "jsd"])
+def test_mixed_dtypes_match_liger(name, compiled):
+    """bf16 hidden states with an fp32 head (and bias): the projection runs in bf16 (the
+    head cast to it, as Liger's GRPO does and `torch.autocast` does for the others), the
+    log-softmax in fp32, each gradient in its tensor's dtype. Ours takes them inside
+    autocast and outside it alike; the peer is called where it takes them."""
+    ours, theirs, autocast = _mixed_case(name, compiled)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        expected = theirs()
+        _assert_same(ours(), expected, tol=BF16_TOL)
+    _assert_same(ours(), expected, tol=BF16_TOL)
+
+
+@pytest.mark.slow  # Inductor
+def test_mixed_dtypes_compile_with_inductor():
+    """The default compile (Inductor) of the TRL case: bf16 hidden states, an fp32 head."""
+    ours, theirs, _ = _mixed_case("grpo", True)
+    _assert_same(ours(), theirs(), tol=BF16_TOL)
 
 
 @pytest.mark.parametrize(
@@ -274,25 +364,25 @@ class TestBuckets(TestCase):
     def test_grpo(self):
         self.assertExpectedInline(
             self._refusal("grpo"),
-            """FusedLinearGRPOLoss: shape bucket (float32[2, 320, 8] grad, float32[16, 8] grad, None, int64[2, 320], float32[2, 320], float32[2], None, float32[2, 320], float32[], float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearGRPOLoss: shape bucket (float32[2, 320, 8] grad, float32[16, 8] grad, None, int64[2, 320], float32[2, 320], float32[2], None, float32[2, 320], float32[], float32[], float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
         )
 
     def test_cross_entropy(self):
         self.assertExpectedInline(
             self._refusal("ce"),
-            """FusedLinearCrossEntropyLoss: shape bucket (float32[1, 320, 8] grad, float32[16, 8] grad, None, int64[1, 320], float32[1, 320], float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearCrossEntropyLoss: shape bucket (float32[1, 320, 8] grad, float32[16, 8] grad, None, int64[1, 320], float32[1, 320], float32[], float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
         )
 
     def test_dpo(self):
         self.assertExpectedInline(
             self._refusal("dpo"),
-            """FusedLinearDPOLoss: shape bucket (float32[4, 320, 8] grad, float32[16, 8] grad, None, int64[4, 320], float32[4, 320], None, None, None, float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearDPOLoss: shape bucket (float32[4, 320, 8] grad, float32[16, 8] grad, None, int64[4, 320], float32[4, 320], None, None, None, float32[], float32, None; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
         )
 
     def test_jsd(self):
         self.assertExpectedInline(
             self._refusal("jsd"),
-            """FusedLinearJSDLoss: shape bucket (float32[320, 8] grad, float32[16, 8] grad, None, float32[320, 6], float32[16, 6], None, int64[320], float32[320], float32[]; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearJSDLoss: shape bucket (float32[320, 8] grad, float32[16, 8] grad, None, float32[320, 6], float32[16, 6], None, int64[320], float32[320], float32[], float32, float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
         )
 
 
@@ -321,6 +411,6 @@ def test_max_buckets_refusals():
         ce(x["w"], x["h"].view(-1, H)[:5], target[:5])
     assert str(refused.value) == (
         "FusedLinearCrossEntropyLoss: shape bucket (float32[1, 16, 16], float32[50, 16], None, int64[1, 16], "
-        "float32[1, 16], float32[]; grad on) would be distinct bucket 2, and max_buckets=1 compiles at most that "
-        "many: raise it, or coarsen the bucket grid (a larger step or per_octave)"
+        "float32[1, 16], float32[], float32; grad on) would be distinct bucket 2, and max_buckets=1 compiles at "
+        "most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)"
     )
