@@ -400,10 +400,12 @@ class FusedLinearDPOLoss(nn.Module):
     ignore_index` outside the responses. Returns `(loss, (chosen_logps [B], rejected_logps
     [B], chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards [B],
     rejected_rewards [B]))` as Liger does: `loss = -mean log σ(β·((c - c_ref) - (r - r_ref)))
-    + alpha · nll_loss` (the NLL of the chosen rows, with `compute_nll_loss`), each row's
-    log-prob summed over its response (averaged with `average_log_prob`), the reference's
-    from `ref_input` / `ref_weight` (0 without `use_ref_model`). The logit means come from
-    the column sums of the head, never from the logits."""
+    + alpha · nll_loss` (the NLL of the chosen rows, with `compute_nll_loss`: their summed
+    token NLL over their kept tokens; NaN, as in Liger, when no chosen token is kept, adding
+    nothing to the gradients), each row's log-prob summed over its response (averaged with
+    `average_log_prob`), the reference's from `ref_input` / `ref_weight` (0 without
+    `use_ref_model`). The logit means come from the column sums of the head, never from the
+    logits."""
 
     def __init__(
         self,
@@ -482,7 +484,11 @@ class FusedLinearDPOLoss(nn.Module):
         loss = -F.logsigmoid(chosen_rewards - rejected_rewards).sum() / pairs
         nll = sums.new_zeros(())
         if self.compute_nll_loss:
-            nll = -sums[:pairs].sum() / mask[:pairs].sum()
+            # Liger's NLL of the chosen rows; with no kept chosen target it is 0 / 0: NaN, with
+            # a zero gradient (torch's nll_loss skips ignored targets in its backward).
+            count = mask[:pairs].sum()
+            none_kept = torch.where(count > 0, 0.0, math.nan)
+            nll = -sums[:pairs].sum() / torch.where(count > 0, count, 1.0) + none_kept
             loss = loss + self.alpha * nll
         # The logits' sum over a row's positions and the vocabulary: (Σ_t h_t) · Σ_v W_v + T · Σ_v b_v.
         row_sums = hidden.detach().float().sum(1) @ weight.detach().float().sum(0)

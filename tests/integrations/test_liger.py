@@ -132,6 +132,30 @@ def test_jsd_matches_liger(beta):
     )
 
 
+@pytest.mark.parametrize("compiled", [False, "eager"])
+@pytest.mark.parametrize("ignored", ["every target", "every chosen target"])
+def test_dpo_nll_with_no_kept_chosen_target_matches_liger(ignored, compiled):
+    """`compute_nll_loss` with no chosen target kept: Liger's NLL is 0 / 0, so the loss and
+    `nll_loss` are NaN, and the NLL adds nothing to the gradients (zero with every target
+    ignored; the preference term's alone when the rejected rows keep theirs)."""
+    x = _inputs()
+    target = torch.where(x["mask"].bool(), x["ids"], -100)
+    target[: B // 2] = -100
+    if ignored == "every target":
+        target[:] = -100
+    g = torch.Generator().manual_seed(1)
+    ref_h, ref_w = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    kw = dict(beta=0.2, compute_nll_loss=True)
+    theirs = liger.LigerFusedLinearDPOLoss(compiled=False, **kw)
+    ours = FusedLinearDPOLoss(compiled=compiled, **kw)
+    got = _run(lambda w, h, b: ours(w, h, target, b, ref_h, ref_w), x["w"], x["h"], x["b"])
+    _assert_same(got, _run(lambda w, h, b: theirs(w, h, target, b, ref_h, ref_w), x["w"], x["h"], x["b"]))
+    (loss, metrics), grads = got
+    assert loss.isnan() and metrics[4].isnan()
+    assert all(g.isfinite().all() for g in grads)
+    assert all((g == 0).all() for g in grads) == (ignored == "every target")
+
+
 BF16_TOL = 2e-2
 """bf16 arithmetic against the peer's: within 2 % of each tensor's largest entry."""
 
