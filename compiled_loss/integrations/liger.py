@@ -60,6 +60,18 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _neutral(who: str, options: dict[str, tuple[Any, Any]], reader: str) -> None:
+    """Each option (name: (value, Liger's default)) at its default: only `reader`, which the
+    module does not compute, reads it — another value would change nothing here while the
+    caller means it to."""
+    for name, (value, default) in options.items():
+        _require(
+            value is default or value == default,
+            f"{who}: {name} is read only by {reader}, which this module does not compute: "
+            f"leave it at {default!r}, got {value!r}",
+        )
+
+
 def _shape(who: str, name: str, value: Tensor | None, shape: tuple[int, ...]) -> None:
     """`value` (when given) has exactly `shape`."""
     if value is not None and tuple(value.shape) != shape:
@@ -185,8 +197,10 @@ class FusedLinearGRPOLoss(nn.Module):
     (TRL's default) weighted by the importance ratio `exp(lp - old)`, whose gradient is the
     score-function term of `ClippedPGLossFn`'s reference KL (which also clamps). Token-level
     importance sampling only; `delta`, `vllm_is_ratio`, `ref_input` (pass `ref_per_token_logps`) and
-    Liger's other loss types are refused. `chunk_size` is in token rows (default: the
-    library's, about 16 MiB of fp32 logits per chunk).
+    Liger's other loss types are refused, and so are the `sapo_*` and `vespo_*` options away
+    from their defaults (only those loss types read them). `chunk_size` is in token rows
+    (Liger's counts sequences; default: the library's, about 16 MiB of fp32 logits per
+    chunk). Every argument of Liger's is taken, in Liger's order.
     """
 
     def __init__(
@@ -200,9 +214,15 @@ class FusedLinearGRPOLoss(nn.Module):
         loss_type: str = "dapo",
         max_completion_length: int | None = None,
         importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
         temperature: float = 1.0,
         delta: float | None = None,
         use_bias_correction_kl: bool = False,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
         bucket: BucketGrid = DEFAULT_BUCKET,
         max_buckets: int = 64,
     ) -> None:
@@ -219,6 +239,14 @@ class FusedLinearGRPOLoss(nn.Module):
         )
         _require(delta is None, f"{who}: delta (two-sided clipping) is not supported, got {delta!r}")
         _require(temperature > 0, f"{who}: temperature must be > 0, got {temperature!r}")
+        sapo = {
+            "sapo_temperature_pos": (sapo_temperature_pos, 1.0),
+            "sapo_temperature_neg": (sapo_temperature_neg, 1.05),
+        }
+        _neutral(who, sapo, "Liger's loss_type='sapo'")
+        vespo = {"vespo_k_pos": (vespo_k_pos, 2.0), "vespo_lambda_pos": (vespo_lambda_pos, 3.0)}
+        vespo |= {"vespo_k_neg": (vespo_k_neg, 3.0), "vespo_lambda_neg": (vespo_lambda_neg, 2.0)}
+        _neutral(who, vespo, "Liger's loss_type='vespo'")
         self.beta, self.loss_type, self.max_completion_length = beta, loss_type, max_completion_length
         self.use_ref_model, self.temperature, self.chunk_size = use_ref_model, temperature, chunk_size
         self.epsilon_low, self.epsilon_high, self.bucket = epsilon_low, epsilon_high, bucket
@@ -334,8 +362,10 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     target [N], bias=None)` → the cross-entropy of `target` under `_input @ lin_weightᵀ +
     bias`, positions where `target == ignore_index` left out: `reduction="mean"` (over the
     other positions: `NLLLossFn`), `"sum"` or `"none"` (`[N]`, 0 where ignored).
-    `ce_weight`, `lse_square_scale`, `label_smoothing`, `softcap` and `return_z_loss` keep
-    their neutral defaults (others are refused)."""
+    `ce_weight`, `lse_square_scale`, `label_smoothing`, `softcap`, `return_z_loss`,
+    `accum_dtype`, `use_token_scaling`, `return_token_accuracy` and `return_predicted_tokens`
+    keep their neutral defaults (others are refused). Every argument of Liger's is taken, in
+    Liger's order (`compiled`, `chunk_size` and the bucket options follow them)."""
 
     def __init__(
         self,
@@ -346,6 +376,10 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         reduction: str = "mean",
         softcap: float | None = None,
         return_z_loss: bool = False,
+        accum_dtype: torch.dtype | None = None,
+        use_token_scaling: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
         compiled: bool | str | Callable[..., Any] = True,
         chunk_size: int | None = None,
         bucket: BucketGrid = DEFAULT_BUCKET,
@@ -362,6 +396,10 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             ("label_smoothing", label_smoothing, 0.0),
             ("softcap", softcap, None),
             ("return_z_loss", return_z_loss, False),
+            ("accum_dtype", accum_dtype, None),
+            ("use_token_scaling", use_token_scaling, False),
+            ("return_token_accuracy", return_token_accuracy, False),
+            ("return_predicted_tokens", return_predicted_tokens, False),
         ):
             _require(value is neutral or value == neutral, f"{who}: {name} is not supported, got {value!r}")
         self.ignore_index, self.reduction, self.chunk_size, self.bucket = ignore_index, reduction, chunk_size, bucket
@@ -405,7 +443,9 @@ class FusedLinearDPOLoss(nn.Module):
     nothing to the gradients), each row's log-prob summed over its response (averaged with
     `average_log_prob`), the reference's from `ref_input` / `ref_weight` (0 without
     `use_ref_model`). The logit means come from the column sums of the head, never from the
-    logits."""
+    logits. `label_smoothing` and `discopop_tau`, read only by Liger's other loss types, keep
+    their defaults (others are refused); every argument of Liger's is taken, in Liger's
+    order."""
 
     def __init__(
         self,
@@ -418,11 +458,16 @@ class FusedLinearDPOLoss(nn.Module):
         average_log_prob: bool = False,
         chunk_size: int | None = None,
         loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        discopop_tau: float = 0.05,
         bucket: BucketGrid = DEFAULT_BUCKET,
         max_buckets: int = 64,
     ) -> None:
         super().__init__()
-        _require(loss_type == "sigmoid", f"FusedLinearDPOLoss: loss_type must be 'sigmoid', got {loss_type!r}")
+        who = "FusedLinearDPOLoss"
+        _require(loss_type == "sigmoid", f"{who}: loss_type must be 'sigmoid', got {loss_type!r}")
+        _neutral(who, {"label_smoothing": (label_smoothing, 0.0)}, "Liger's loss_type='robust' and 'exo_pair'")
+        _neutral(who, {"discopop_tau": (discopop_tau, 0.05)}, "Liger's loss_type='discopop'")
         self.ignore_index, self.beta, self.alpha, self.compute_nll_loss = ignore_index, beta, alpha, compute_nll_loss
         self.use_ref_model, self.average_log_prob, self.chunk_size = use_ref_model, average_log_prob, chunk_size
         self.bucket = bucket
@@ -506,7 +551,9 @@ class FusedLinearJSDLoss(nn.Module):
     `ignore_index` and divided by their count. The generalised JSD at temperature `τ`: β = 0
     is the forward KL(teacher ‖ student), β = 1 the reverse KL(student ‖ teacher). Computed
     in row chunks (`chunk_size` rows, at most 16 chunks); each chunk's student and teacher
-    logits exist only inside its chunk and are recomputed in the backward."""
+    logits exist only inside its chunk and are recomputed in the backward. With
+    `return_soft_hard_loss`, `(loss, soft_loss, hard_loss)` as Liger returns them (each
+    divided by the count). Every argument of Liger's is taken, in Liger's order."""
 
     def __init__(
         self,
@@ -517,6 +564,7 @@ class FusedLinearJSDLoss(nn.Module):
         temperature: float = 1.0,
         compiled: bool | str | Callable[..., Any] = True,
         chunk_size: int = 1024,
+        return_soft_hard_loss: bool = False,
         bucket: BucketGrid = DEFAULT_BUCKET,
         max_buckets: int = 64,
     ) -> None:
@@ -527,7 +575,7 @@ class FusedLinearJSDLoss(nn.Module):
         _require(chunk_size >= 1, f"{who}: chunk_size must be >= 1, got {chunk_size!r}")
         self.weight_hard_loss, self.weight_soft_loss, self.beta = weight_hard_loss, weight_soft_loss, beta
         self.ignore_index, self.temperature, self.chunk_size = ignore_index, temperature, chunk_size
-        self.bucket = bucket
+        self.bucket, self.return_soft_hard_loss = bucket, return_soft_hard_loss
         self._objective = _Objective("FusedLinearJSDLoss", self._distillation, compiled, max_buckets)
 
     def forward(
@@ -539,7 +587,7 @@ class FusedLinearJSDLoss(nn.Module):
         true_labels: Tensor,
         student_bias: Tensor | None = None,
         teacher_bias: Tensor | None = None,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         who = "FusedLinearJSDLoss"
         if student_input.dim() != 2 or teacher_input.dim() != 2 or teacher_input.shape[0] != student_input.shape[0]:
             raise ValueError(
@@ -569,7 +617,7 @@ class FusedLinearJSDLoss(nn.Module):
     def _distillation(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask, count, dtype, t_dtype):
         rows = student.shape[0]
         step = max(self.chunk_size, -(-rows // 16))
-        total = student.new_zeros((), dtype=torch.float32)
+        total = student.new_zeros(2, dtype=torch.float32)
         for start in range(0, rows, step):
             part = slice(start, min(start + step, rows))
             total = total + torch.utils.checkpoint.checkpoint(
@@ -586,10 +634,12 @@ class FusedLinearJSDLoss(nn.Module):
                 t_dtype,
                 use_reentrant=False,
             )
-        return total / count
+        hard, soft = total / count
+        loss = self.weight_hard_loss * hard + self.weight_soft_loss * soft
+        return (loss, soft, hard) if self.return_soft_hard_loss else loss
 
     def _chunk(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask, dtype, t_dtype):
-        """`Σ (w_hard · CE + w_soft · JSD_β)` over this chunk's kept rows."""
+        """`[Σ CE, Σ JSD_β]` over this chunk's kept rows."""
         logits = _linear(student, weight, bias, dtype)
         hard = -logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
         s = (logits / self.temperature).log_softmax(-1)
@@ -601,4 +651,4 @@ class FusedLinearJSDLoss(nn.Module):
         else:
             m = torch.logsumexp(torch.stack([s + math.log(1 - self.beta), t + math.log(self.beta)]), 0)
             soft = self.beta * (t.exp() * (t - m)).sum(-1) + (1 - self.beta) * (s.exp() * (s - m)).sum(-1)
-        return ((self.weight_hard_loss * hard + self.weight_soft_loss * soft) * mask).sum()
+        return torch.stack([(hard * mask).sum(), (soft * mask).sum()])

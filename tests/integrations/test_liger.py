@@ -4,6 +4,12 @@ every returned metric and the gradients of the hidden states, the head and its b
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import inspect
+import typing
+from pathlib import Path
+
 import pytest
 import torch
 from expecttest import TestCase
@@ -117,13 +123,15 @@ def test_dpo_matches_liger(average_log_prob, compute_nll_loss):
     )
 
 
+@pytest.mark.parametrize("return_soft_hard_loss", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_jsd_matches_liger(beta):
+def test_jsd_matches_liger(beta, return_soft_hard_loss):
     x = _inputs()
     labels = torch.where(x["mask"].bool(), x["ids"], -100).view(-1)
     g = torch.Generator().manual_seed(2)
     teacher_h, teacher_w = torch.randn(B * T, 12, generator=g), torch.randn(V, 12, generator=g) * 0.3
     kw = dict(beta=beta, temperature=2.0, weight_hard_loss=0.3, weight_soft_loss=0.7, chunk_size=4)
+    kw |= dict(return_soft_hard_loss=return_soft_hard_loss)
     theirs = liger.LigerFusedLinearJSDLoss(compiled=False, **kw)
     ours = FusedLinearJSDLoss(compiled=False, **kw)
     _assert_same(
@@ -438,3 +446,189 @@ def test_max_buckets_refusals():
         "float32[1, 16], float32[], float32; grad on) would be distinct bucket 2, and max_buckets=1 compiles at "
         "most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# every argument of Liger's modules, from their signatures
+# ---------------------------------------------------------------------------------------
+
+
+def _liger_cross_entropy():
+    """Liger's `LigerFusedLinearCrossEntropyLoss` (`liger_kernel.transformers`), for its
+    signatures and defaults: imported where Triton is installed, else its class statement
+    executed on its own (it reaches its Triton kernel only when called)."""
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:  # no Triton (this CPU machine)
+        root = Path(importlib.util.find_spec("liger_kernel").submodule_search_locations[0])
+        path = root / "transformers" / "fused_linear_cross_entropy.py"
+        tree = ast.parse(path.read_text())
+        node = next(
+            n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LigerFusedLinearCrossEntropyLoss"
+        )
+        namespace = {"torch": torch, "Optional": typing.Optional}
+        exec(compile(ast.Module([node], type_ignores=[]), str(path), "exec"), namespace)
+        return namespace["LigerFusedLinearCrossEntropyLoss"]
+    return LigerFusedLinearCrossEntropyLoss
+
+
+PEERS = {
+    "grpo": (FusedLinearGRPOLoss, liger.LigerFusedLinearGRPOLoss),
+    "ce": (FusedLinearCrossEntropyLoss, _liger_cross_entropy()),
+    "dpo": (FusedLinearDPOLoss, liger.LigerFusedLinearDPOLoss),
+    "jsd": (FusedLinearJSDLoss, liger.LigerFusedLinearJSDLoss),
+}
+
+
+def _parameters(cls, method):
+    return {name: p.default for name, p in inspect.signature(getattr(cls, method)).parameters.items() if name != "self"}
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_every_liger_argument_is_taken_in_liger_order(name):
+    """Liger's constructor and forward arguments are a prefix of ours, by name and order
+    (positional calls mean the same); our own (`compiled` where Liger has none,
+    `chunk_size`'s unit, `bucket`, `max_buckets`) come after them."""
+    ours, theirs = PEERS[name]
+    for method in ("__init__", "forward"):
+        expected = list(_parameters(theirs, method))
+        assert list(_parameters(ours, method))[: len(expected)] == expected, method
+
+
+def _default_call(name):
+    """`(constructor arguments, forward arguments, names of the differentiated tensors)`:
+    every argument of the peer's at Liger's default, but the data, and the references that
+    Liger's default `use_ref_model=True` needs."""
+    x = _inputs()
+    target = torch.where(x["mask"].bool(), x["ids"], -100)
+    g = torch.Generator().manual_seed(4)
+    data = {
+        "grpo": dict(
+            _input=x["h"],
+            lin_weight=x["w"],
+            selected_token_ids=x["ids"],
+            attention_mask=x["mask"],
+            advantages=x["adv"],
+            ref_per_token_logps=x["ref"],
+        ),
+        "ce": dict(lin_weight=x["w"], _input=x["h"].view(-1, H), target=target.view(-1)),
+        "dpo": dict(
+            lin_weight=x["w"],
+            _input=x["h"],
+            target=target,
+            ref_input=torch.randn(B, T, H, generator=g),
+            ref_weight=torch.randn(V, H, generator=g),
+        ),
+        "jsd": dict(
+            student_input=x["h"].view(-1, H),
+            student_weight=x["w"],
+            teacher_input=torch.randn(B * T, 12, generator=g),
+            teacher_weight=torch.randn(V, 12, generator=g),
+            true_labels=target.view(-1),
+        ),
+    }[name]
+    init, call = _parameters(PEERS[name][1], "__init__"), _parameters(PEERS[name][1], "forward")
+    assert set(data) <= set(call)
+    call |= data
+    assert inspect.Parameter.empty not in call.values()
+    leaves = {"grpo": ("_input", "lin_weight"), "jsd": ("student_input", "student_weight")}.get(
+        name, ("lin_weight", "_input")
+    )
+    return init, call, leaves
+
+
+def _run_keywords(module, call, leaves):
+    tensors = {n: call[n].detach().clone().requires_grad_(True) for n in leaves}
+    out = module(**(call | tensors))
+    (out[0] if isinstance(out, tuple) else out).backward()
+    return out, [tensors[n].grad for n in leaves]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: Inductor
+@pytest.mark.parametrize("name", PEERS)
+def test_every_liger_argument_at_its_default_matches_liger(name, compiled):
+    """Ours built and called with every argument of Liger's, each at Liger's default (by
+    keyword: a missing one is a TypeError) — `compiled` too in the slow case — equals Liger's
+    module built the same way (the dense cross-entropy for Liger's Triton one), uncompiled."""
+    ours_cls, theirs_cls = PEERS[name]
+    init, call, leaves = _default_call(name)
+    ours = ours_cls(**(init | {"compiled": compiled}))
+    got = _run_keywords(ours, call, leaves)
+    if name == "ce":
+        theirs_cls(**init)  # Liger's own constructor takes them as well
+        expected = _run_keywords(
+            lambda lin_weight, _input, target, bias: torch.nn.functional.cross_entropy(_input @ lin_weight.T, target),
+            call,
+            leaves,
+        )
+    else:
+        expected = _run_keywords(theirs_cls(**(init | {"compiled": False})), call, leaves)
+    _assert_same(got, expected)
+
+
+REFUSED = {
+    "grpo": dict(
+        loss_type=["cispo", "sapo", "luspo", "vespo"],
+        importance_sampling_level=["sequence"],
+        sapo_temperature_pos=[2.0],
+        sapo_temperature_neg=[2.0],
+        delta=[2.0],
+        vespo_k_pos=[1.0],
+        vespo_lambda_pos=[1.0],
+        vespo_k_neg=[1.0],
+        vespo_lambda_neg=[1.0],
+        ref_input=[torch.zeros(B, T, H)],
+        ref_weight=[torch.zeros(V, H)],
+        ref_bias=[torch.zeros(V)],
+        vllm_is_ratio=[torch.ones(B, T)],
+    ),
+    "ce": dict(
+        ce_weight=[torch.ones(V)],
+        lse_square_scale=[1e-4],
+        label_smoothing=[0.1],
+        softcap=[30.0],
+        return_z_loss=[True],
+        accum_dtype=[torch.float32],
+        use_token_scaling=[True],
+        return_token_accuracy=[True],
+        return_predicted_tokens=[True],
+    ),
+    "dpo": dict(
+        loss_type=sorted(liger.LigerFusedLinearDPOLoss._SUPPORTED_LOSS_TYPES - {"sigmoid"}),
+        label_smoothing=[0.1],
+        discopop_tau=[0.1],
+    ),
+    "jsd": {},
+}
+"""Per module, each Liger argument with the values of it that the module cannot honour."""
+
+HONOURED = {
+    "grpo": {"beta", "compiled", "use_ref_model", "chunk_size", "epsilon_low", "epsilon_high", "max_completion_length"}
+    | {"temperature", "use_bias_correction_kl", "_input", "lin_weight", "selected_token_ids", "attention_mask"}
+    | {"advantages", "bias", "ref_per_token_logps", "old_per_token_logps", "num_items_in_batch"},
+    "ce": {"ignore_index", "reduction", "lin_weight", "_input", "target", "bias"},
+    "dpo": {"ignore_index", "beta", "alpha", "compute_nll_loss", "compiled", "use_ref_model", "average_log_prob"}
+    | {"chunk_size", "lin_weight", "_input", "target", "bias", "ref_input", "ref_weight", "ref_bias"},
+    "jsd": set(_parameters(liger.LigerFusedLinearJSDLoss, "__init__"))
+    | set(_parameters(liger.LigerFusedLinearJSDLoss, "forward")),
+}
+"""Per module, the Liger arguments whose values it computes as Liger does (the other tests)."""
+
+
+@pytest.mark.parametrize("name", PEERS)
+def test_every_liger_argument_is_honoured_or_refused_by_name(name):
+    """Each argument of Liger's is either honoured or, at a value the module cannot
+    honour, refused with a ValueError naming it (constructor arguments when the module is
+    built, forward arguments before anything compiles) — never a TypeError."""
+    ours_cls, theirs_cls = PEERS[name]
+    init, call = _parameters(theirs_cls, "__init__"), _parameters(theirs_cls, "forward")
+    assert set(REFUSED[name]).isdisjoint(HONOURED[name])
+    assert set(REFUSED[name]) | HONOURED[name] == set(init) | set(call)
+    _, data, _ = _default_call(name)
+    for argument, values in REFUSED[name].items():
+        for value in values:
+            with pytest.raises(ValueError, match=rf"\b{argument}\b"):
+                if argument in init:
+                    ours_cls(**{argument: value})
+                else:
+                    ours_cls()(**(data | {argument: value}))
