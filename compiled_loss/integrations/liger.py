@@ -184,8 +184,8 @@ class FusedLinearGRPOLoss(nn.Module):
 
     `forward(_input [B, T, H], lin_weight [V, H], selected_token_ids [B, T], attention_mask
     [B, T] (the loss mask), advantages [B], bias=None, ref_per_token_logps=None,
-    old_per_token_logps=None, num_items_in_batch=None)` → `(loss, [kl_mean (β ≠ 0),
-    clip_ratio])`, as Liger returns them. `_input[:, t]` is the hidden state that predicts
+    old_per_token_logps=None, num_items_in_batch=None)` → `(loss, [kl_mean (β ≠ 0; 0
+    without use_ref_model), clip_ratio])`, as Liger returns them. `_input[:, t]` is the hidden state that predicts
     `selected_token_ids[:, t]`. Without `old_per_token_logps` the ratio is 1 (the detached
     log-probs, on-policy); with `use_ref_model` and β ≠ 0, `ref_per_token_logps` is required.
 
@@ -345,8 +345,9 @@ class FusedLinearGRPOLoss(nn.Module):
         adv = advantages[:, None]
         clipped = ((ratio < 1 - self.epsilon_low) & (adv < 0)) | ((ratio > 1 + self.epsilon_high) & (adv > 0))
         metrics = [(clipped.float() * mask).sum() / count]
-        if self.use_ref_model and self.beta != 0:
+        if self.beta != 0:
             # TRL's k3 term, unclamped; with use_bias_correction_kl weighted by the ratio exp(lp - old).
+            # Without use_ref_model the reference is the detached policy (Liger's): 0, gradient 0.
             weight = torch.exp(lp - old) if self.use_bias_correction_kl else None
             kl = calculate_kl(lp, ref, "k3", None, None, weight) * mask
             if self.loss_type == "grpo":
@@ -442,10 +443,12 @@ class FusedLinearDPOLoss(nn.Module):
     token NLL over their kept tokens; NaN, as in Liger, when no chosen token is kept, adding
     nothing to the gradients), each row's log-prob summed over its response (averaged with
     `average_log_prob`), the reference's from `ref_input` / `ref_weight` (0 without
-    `use_ref_model`). The logit means come from the column sums of the head, never from the
-    logits. `label_smoothing` and `discopop_tau`, read only by Liger's other loss types, keep
-    their defaults (others are refused); every argument of Liger's is taken, in Liger's
-    order."""
+    `use_ref_model`). Without `compute_nll_loss`, `nll_loss` is 0 and the loss the preference
+    term, also when no chosen token is kept, where Liger's are NaN (its unused NLL of 0
+    divided by that count of 0). The logit means come from the column sums of the head,
+    never from the logits. `label_smoothing` and `discopop_tau`, read only by Liger's other
+    loss types, keep their defaults (others are refused); every argument of Liger's is
+    taken, in Liger's order."""
 
     def __init__(
         self,

@@ -71,16 +71,18 @@ def _assert_same(ours, theirs, tol=None):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta, use_ref_model", [(0.0, False), (0.04, True), (0.04, False)])
 @pytest.mark.parametrize("off_policy", [False, True])
-def test_grpo_matches_liger(loss_type, beta, off_policy):
+def test_grpo_matches_liger(loss_type, beta, use_ref_model, off_policy):
+    """β ≠ 0 without a reference model: Liger's KL against the detached policy, 0, still
+    leads the metrics."""
     x = _inputs()
-    kw = dict(beta=beta, use_ref_model=beta != 0, loss_type=loss_type, max_completion_length=10, temperature=0.7)
+    kw = dict(beta=beta, use_ref_model=use_ref_model, loss_type=loss_type, max_completion_length=10, temperature=0.7)
     kw |= dict(epsilon_high=0.28, use_bias_correction_kl=off_policy)
     theirs = liger.LigerFusedLinearGRPOLoss(compiled=False, **kw)
     ours = FusedLinearGRPOLoss(compiled=False, **kw)
     call = dict(selected_token_ids=x["ids"], attention_mask=x["mask"], advantages=x["adv"])
-    call |= dict(ref_per_token_logps=x["ref"] if beta else None, num_items_in_batch=torch.tensor(20))
+    call |= dict(ref_per_token_logps=x["ref"] if use_ref_model else None, num_items_in_batch=torch.tensor(20))
     call |= dict(old_per_token_logps=x["old"] if off_policy else None)
     _assert_same(
         _run(lambda h, w, b: ours(h, w, bias=b, **call), x["h"], x["w"], x["b"]),
