@@ -56,3 +56,23 @@ def breaks_in_a_loop(x):
         x = x + 1
         torch._dynamo.graph_break()  # a break inside a loop: Dynamo runs the whole frame eager
     return x
+
+
+def per_count(x, count: int):
+    for _ in range(count):  # Dynamo unrolls the loop: a graph per count, however dynamic the int
+        x = x * 2
+    return x
+
+
+def twelve_counts():
+    return [((torch.randn(8), count), {}) for count in range(1, 13)]
+
+
+def per_length(x):
+    for _ in range(x.shape[0]):  # the same over a shape: a graph per length
+        x = x + 1
+    return x
+
+
+def twelve_lengths():
+    return [((torch.randn(n),), {}) for n in range(1, 13)]

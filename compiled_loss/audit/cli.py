@@ -155,7 +155,8 @@ _SIZES = [
 class Drive:
     """One audited callable of a configuration: its compile report plus what the audit tracked
     per call — the buckets, the recompiles on a bucket already compiled and what Dynamo
-    raised (`error`: under fullgraph a graph break raises)."""
+    raised (`error`: under fullgraph a graph break raises, and so does a call past Dynamo's
+    recompile limit)."""
 
     name: str
     configuration: str
@@ -165,13 +166,22 @@ class Drive:
     recompiled_seen_buckets: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
 
+    @property
+    def recompile_limit_hit(self) -> bool:
+        """Whether a frame hit Dynamo's recompile limit: under fullgraph it raised, without it
+        the frame runs eager from then on (`Unsupported`, "Dynamo recompile limit exceeded")."""
+        return any(
+            f.fail_type == "FailOnRecompileLimitHit" or (f.fail_reason or "").startswith("Dynamo recompile limit")
+            for f in self.report.frames
+        )
+
     def failures(self) -> list[str]:
         out = self.report.problems() + ([self.error] if self.error else [])
         too_many = self.report.compiles > self.buckets
         if too_many:
             out.append(f"{self.report.compiles} compiles for {self.buckets} distinct buckets")
         out += [f"recompiled the already-compiled bucket {b}" for b in self.recompiled_seen_buckets]
-        if too_many or self.recompiled_seen_buckets:
+        if too_many or self.recompiled_seen_buckets or self.recompile_limit_hit:
             out += [f"recompile {f.compile_id} of {f.frame}: {f.recompile_reason}" for f in self.report.recompiles]
         return out
 
@@ -203,6 +213,26 @@ def _dynamo_error(exc: Exception) -> str:
     return f"{type(exc).__name__} at {frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`: {reason}"
 
 
+def _limit_error(report: CompileReport) -> str:
+    """The recompile limit's failure under fullgraph: the frame that hit it, its graphs and
+    the call that failed the guards of every one (the recompiles, with their guards, follow)."""
+    failed = next((f for f in reversed(report.frames) if f.fail_type == "FailOnRecompileLimitHit"), None)
+    frame_id = failed.compile_id.split("/")[0] if failed is not None else None
+    graphs = [f for f in report.frames if not f.fail_type and f.compile_id.split("/")[0] == frame_id]
+    frame = graphs[0].frame if graphs else "a frame"
+    config = torch._dynamo.config
+    limit = (
+        f"recompile_limit={config.recompile_limit}"
+        if len(graphs) >= config.recompile_limit
+        else f"accumulated_recompile_limit={config.accumulated_recompile_limit}"
+    )
+    return (
+        f"recompile limit hit: call {report.calls} failed the guards of all {len(graphs)} graphs of {frame} "
+        f"(torch._dynamo.config.{limit}; fullgraph=True raises FailOnRecompileLimitHit there, without it the "
+        "calls past the limit run eager)"
+    )
+
+
 def drive(
     name: str,
     fn: Callable[..., Any],
@@ -215,7 +245,7 @@ def drive(
 ) -> Drive:
     """Compile `fn` with a recorder and call it on `(bucket, args, kwargs)` samples;
     `after(output)` runs on each result (e.g. the backward). The first error Dynamo raises
-    ends the drive and is its `error`."""
+    (a graph break under fullgraph, the recompile limit) ends the drive and is its `error`."""
     torch._dynamo.reset()
     recorder = CompileRecorder(backend, name)
     compiled = recorder.compile(fn, fullgraph=fullgraph, dynamic=dynamic)
@@ -229,6 +259,10 @@ def drive(
             output = compiled(*args, **kwargs)
             if after is not None:
                 after(output)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # no TorchDynamoException
+            result.error = _limit_error(recorder.report)
+            seen.add(bucket)
+            break
         except torch._dynamo.exc.TorchDynamoException as exc:
             result.error = _dynamo_error(exc)
             seen.add(bucket)

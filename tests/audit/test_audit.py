@@ -133,6 +133,61 @@ def test_break_under_fullgraph_is_a_fail_row(tmp_path, capsys, target, line):
     assert f"{target} " in printed.out and "FAIL" in printed.out and "0/1 configurations clean" in printed.out
 
 
+@pytest.mark.parametrize(
+    "target, inputs, line, guards",
+    [
+        (
+            "per_count",  # a Python int that changes every call
+            "twelve_counts",
+            "for _ in range(count):",
+            [f"0/{n - 1}: count == {n}" for n in range(1, 9)],
+        ),
+        (
+            "per_length",  # a shape that changes every call
+            "twelve_lengths",
+            "def per_length(x):",
+            [f"0/{n - 1}: tensor 'x' size mismatch at index 0. expected {n}, actual {n + 1}" for n in range(1, 9)],
+        ),
+    ],
+)
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "no-fullgraph"])
+def test_a_target_that_recompiles_every_call_is_a_fail_row_naming_its_recompiles(
+    tmp_path, capsys, target, inputs, line, guards, fullgraph
+):
+    code, rows = run(
+        tmp_path,
+        "--target",
+        f"audit_targets:{target}",
+        "--inputs",
+        f"audit_targets:{inputs}",
+        "backend=eager",
+        *([] if fullgraph else ["--no-fullgraph"]),
+    )
+    printed = capsys.readouterr()
+    assert code == 1 and "Traceback" not in printed.out + printed.err
+    assert f"audit_targets:{target} " in printed.out and "FAIL" in printed.out
+    assert "0/1 configurations clean" in printed.out
+    (row,) = rows
+    frame = f"{target} at {where(f'def {target}(')}"
+    if fullgraph:  # the ninth call raised: the drive's error, then every recompile with its guard
+        assert row["calls"] == 9 and row["compiles"] == 8
+        assert row["error"] == (
+            f"recompile limit hit: call 9 failed the guards of all 8 graphs of {frame} "
+            "(torch._dynamo.config.recompile_limit=8; fullgraph=True raises FailOnRecompileLimitHit there, without "
+            "it the calls past the limit run eager)"
+        )
+        assert row["error"] in row["failures"] and row["error"] in printed.out
+    else:  # the calls past the limit ran eager
+        assert row["calls"] == 12 and row["compiles"] == 8 and row["error"] is None
+        assert any("fell back to eager (Unsupported)" in f and "recompile limit" in f for f in row["failures"])
+    recompiles = [f for f in row["failures"] if f.startswith("recompile 0/")]
+    assert len(recompiles) == len(guards) == 8  # compiles 0/1 … 0/8, each with the guard of the one before
+    for n, (recompile, guard) in enumerate(zip(recompiles, guards), 1):
+        assert recompile.startswith(f"recompile 0/{n} of ") and f": {guard} " in recompile, recompile
+        assert recompile in printed.out
+    assert recompiles[0].startswith(f"recompile 0/1 of {frame}: ") and recompiles[0].endswith(f" at {where(line)}")
+
+
 def test_target_in_the_current_directory_is_importable(tmp_path, monkeypatch):
     (tmp_path / "audit_cwd_target.py").write_text(
         "import torch\n\n\ndef double(x):\n    return 2 * x\n\n\ndef samples():\n    return [((torch.ones(4),), {})]\n"
