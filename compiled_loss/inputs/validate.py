@@ -54,6 +54,7 @@ INTEGER_KEYS = (
     "input_lengths",
     "opd_full_teacher_index",
 )
+FLAG_KEYS = ("is_chosen",)  # integer keys a bool tensor may also hold (True as 1, False as 0)
 FLOAT_KEYS = ("teacher_topk_logits", "opd_full_teacher_payload")
 ID_KEYS = ("input_ids", "teacher_topk_indices")  # token ids: in [0, V)
 
@@ -66,7 +67,7 @@ def check_batch_shapes(data: Mapping[str, object], who: str | None = None) -> No
     """ValueError / TypeError naming the key (after `who: ` when given) for a batch key that
     is not a tensor, `[B, S]` / `[B]` / `[B, S, ·]` shapes that disagree with `input_ids`
     (or `token_mask`), top-k teacher logits and indices of different shapes, integer keys
-    of another dtype and teacher payloads that are not floating point. Reads shapes and
+    of another dtype (`FLAG_KEYS` may also be bool) and teacher payloads that are not floating point. Reads shapes and
     dtypes only (no device value), so it traces with no graph break; keys it does not know
     are left alone."""
     at = "" if who is None else f"{who}: "
@@ -102,7 +103,10 @@ def check_batch_shapes(data: Mapping[str, object], who: str | None = None) -> No
             )
     for key in INTEGER_KEYS:
         if key in data and not _is_integer(data[key]):
-            raise TypeError(f"{at}data[{key!r}] must be an integer tensor, got {data[key].dtype}")
+            if key in FLAG_KEYS and data[key].dtype == torch.bool:
+                continue
+            kind = "an integer or bool" if key in FLAG_KEYS else "an integer"
+            raise TypeError(f"{at}data[{key!r}] must be {kind} tensor, got {data[key].dtype}")
     for key in FLOAT_KEYS:
         if key in data and not data[key].dtype.is_floating_point:
             raise TypeError(f"{at}data[{key!r}] must be a floating-point tensor, got {data[key].dtype}")

@@ -50,7 +50,8 @@ def check_even_rows(rows: int, who: str) -> None:
 
 
 def _pair_keys(data: Mapping[str, Tensor]) -> Tensor | None:
-    """`2·pair_index + (1 - is_chosen)` per row, or None when the data names no pairs."""
+    """`2·pair_index + (1 - is_chosen)` per row, or None when the data names no pairs
+    (`is_chosen` integer or bool: True is 1)."""
     if not all(key in data for key in _PAIR_KEYS):
         return None
     return 2 * data["pair_index"].long() + (1 - data["is_chosen"].long())
