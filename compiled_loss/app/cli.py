@@ -2,9 +2,10 @@
 and configuration errors as one line (`error: …`, with a did-you-mean) and exit status 2.
 
 Hydra composes the config after `check_overrides` has read the overrides against the
-option files of each group (`conf/<group>/*.yaml`) and the fields of each group's schema,
-so a typo never reaches Hydra's multi-line errors; `load_config` checks the values. With
-`HYDRA_FULL_ERROR=1` an error propagates with its traceback instead.
+option files of each group (`conf/<group>/*.yaml`), the fields of each group's schema and
+their types (parsed as Hydra parses them, checked as OmegaConf checks them), so neither a
+typo nor a value of the wrong type reaches Hydra's multi-line errors; `load_config` checks
+the values. With `HYDRA_FULL_ERROR=1` an error propagates with its traceback instead.
 """
 
 from __future__ import annotations
@@ -12,17 +13,24 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import enum
 import inspect
 import os
 import re
 import sys
 import textwrap
+import typing
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from compiled_loss.app.store import GROUP_SCHEMAS
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from compiled_loss.app.store import GROUP_SCHEMAS, schema
 from compiled_loss.checks import ConfigError
 from compiled_loss.config import DRAFT_KINDS, LOSS_KINDS, Config
 
@@ -82,15 +90,100 @@ def _schema_of(group: str, option: str, config_dirs: tuple[str, ...]) -> type | 
     return None
 
 
+def _chosen_classes(group: str, argv: list[str]) -> list[type]:
+    """The option classes whose fields `group.key=` sets: the schema; for `loss` / `draft`,
+    the class of each option chosen on the command line (or the default's), every option
+    class when one of them extends another option (its class is not named)."""
+    if group not in ("loss", "draft"):
+        return _option_classes(group)
+    chosen = dict(_overrides(argv)).get(group, _DEFAULTS[group])
+    classes = [_schema_of(group, option, _config_dirs(argv)) for option in chosen.split(",")]
+    return _option_classes(group) if None in classes else list(dict.fromkeys(classes))
+
+
 def _keys(group: str, argv: list[str]) -> list[str]:
     """The keys `group.key=` may set: the schema's fields; for `loss` / `draft`, those of the
-    option chosen on the command line (or the default's)."""
-    classes = _option_classes(group)
-    if group in ("loss", "draft"):
-        chosen = dict(_overrides(argv)).get(group, _DEFAULTS[group])
-        if "," not in chosen and (cls := _schema_of(group, chosen, _config_dirs(argv))) is not None:
-            classes = [cls]
+    option chosen on the command line (or the default's; of every option for a sweep)."""
+    classes = _chosen_classes(group, argv)
+    if group in ("loss", "draft") and len(classes) > 1:
+        classes = _option_classes(group)
     return sorted({f.name for cls in classes for f in dataclasses.fields(cls)} - {"name"})
+
+
+def _describe(hint: Any) -> tuple[str, str, bool]:
+    """(the name of a value of the type `hint`, what one looks like on the command line,
+    whether null is one too)."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+        (hint,) = (arg for arg in args if arg is not type(None))
+    if typing.get_origin(hint) in (list, tuple):
+        item, _, _ = _describe(typing.get_args(hint)[0])
+        return f"list of {item}s", f"a list of {item}s in brackets", optional
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint.__name__, f"one of {', '.join(member.name for member in hint)}", optional
+    kind, looks = {
+        bool: ("bool", "true or false"),
+        int: ("int", "a whole number"),
+        float: ("float", "a number, like 0.5 or 1e-3"),
+        str: ("string", "text; quote one that holds brackets, braces or commas"),
+    }[hint]
+    return kind, looks, optional
+
+
+def _value_error(key: str, given: str, value: Any, hint: Any) -> str:
+    """The one line that refuses `key=given` (Hydra's parse: `value`) for a field of type `hint`."""
+    kind, looks, optional = _describe(hint)
+    if value is None and not optional:
+        return f"{key}: null is not a valid {kind} ({key} cannot be null; {looks})"
+    if kind.startswith("list") and not isinstance(value, (list, tuple)):
+        looks = f"{looks}: {key}=[{given}]"
+    elif kind == "int" and isinstance(value, float) and value.is_integer():
+        looks = f"{looks}: {key}={int(value)}"
+    return f"{key}: {given} is not a valid {kind}{' or null' if optional else ''} ({looks})"
+
+
+def _takes(cls: type, field: str, value: Any) -> bool:
+    """Whether Hydra's merge of `value` into the field `field` of the option class `cls`
+    passes OmegaConf's type check (which converts `'7'` to 7 for an int and refuses `1e3`)."""
+    node = schema(cls)
+    try:
+        node[field] = value
+    except OmegaConfBaseException:
+        return False
+    return True
+
+
+def check_value(key: str, given: str, classes: list[type], field: str, multirun: bool = False) -> None:
+    """ConfigError, one line naming the key, for the override `key=given` (`group.field=…`)
+    whose value — or a value of its sweep — is not of the type of `field` in any option class
+    of `classes` that has it: parsed as Hydra parses it, checked as its merge checks it; also
+    for a sweep outside a `multirun` (-m), which Hydra refuses as ambiguous."""
+    try:
+        override = OverridesParser.create().parse_override(f"{key}={given}")
+    except HydraException as e:  # the override grammar's: one line each
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise ConfigError(f"{key}: {given} is not a valid value (Hydra's override grammar: {reason})") from None
+    if override.is_sweep_override() and not multirun:
+        raise ConfigError(
+            f"{key}: {given} is a sweep, which runs with -m (--multirun); a list is written {key}=[{given}], "
+            f"text quoted: {key}='{given}'"
+        )
+    if isinstance(override.value(), (ChoiceSweep, RangeSweep)):
+        values = list(override.sweep_iterator())
+    elif override.is_sweep_override():
+        return  # a sweep a sweeper plugin draws (interval, glob): its values are the plugin's
+    else:
+        values = [override.value()]
+    refusals = []
+    for cls in (cls for cls in classes if field in {f.name for f in dataclasses.fields(cls)}):
+        bad = [value for value in values if not _takes(cls, field, value)]
+        if not bad:
+            return
+        shown = (given or "''") if len(values) == 1 else "null" if bad[0] is None else str(bad[0])
+        refusals.append(_value_error(key, shown, bad[0], typing.get_type_hints(cls)[field]))
+    if refusals:
+        raise ConfigError(refusals[0])
 
 
 _DEFAULTS = {"loss": "clipped_pg", "draft": "none"}  # conf/config.yaml's defaults list
@@ -102,8 +195,10 @@ def _suggest(value: str, choices: list[str]) -> str:
 
 
 def _overrides(argv: list[str]) -> Iterator[tuple[str, str]]:
-    """`(key, value)` of each plain override (Hydra's own `hydra.*`, `+` / `~` / `++` forms and flags skipped)."""
+    """`(key, value)` of each plain override and of each `++` one (Hydra's own `hydra.*`, the
+    `+` / `~` forms and flags skipped)."""
     for arg in argv:
+        arg = arg.removeprefix("++")
         if arg.startswith(("-", "+", "~", "hydra.", "hydra/")) or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
@@ -112,9 +207,11 @@ def _overrides(argv: list[str]) -> Iterator[tuple[str, str]]:
 
 def check_overrides(argv: list[str]) -> None:
     """ConfigError for an override that names no group, no option of its group or no key of
-    its group's schema, with the closest valid name."""
+    its group's schema, with the closest valid name, or whose value is not of the key's type
+    (`check_value`)."""
     options = group_options(_config_dirs(argv))
     top = [f.name for f in dataclasses.fields(Config)]
+    multirun = bool({"-m", "--multirun", "hydra.mode=MULTIRUN"} & set(argv))
     for key, value in _overrides(argv):
         group, _, field = key.partition(".")
         if group not in top:
@@ -122,6 +219,8 @@ def check_overrides(argv: list[str]) -> None:
         if not field:
             if group not in options:
                 raise ConfigError(f"{key}={value}: {group} is set through its keys ({group}.<key>=…)")
+            if "," in value and not multirun:
+                raise ConfigError(f"{key}={value}: a sweep over {group} options runs with -m (--multirun)")
             for choice in value.split(","):  # a sweep (-m) lists several
                 if choice not in options[group]:
                     raise ConfigError(
@@ -132,6 +231,7 @@ def check_overrides(argv: list[str]) -> None:
         keys = _keys(group, argv)
         if field not in keys:
             raise ConfigError(f"{key}: unknown key{_suggest(field, keys)} (keys of {group}: {', '.join(keys)})")
+        check_value(key, value, _chosen_classes(group, argv), field, multirun=multirun)
 
 
 def help_text() -> str:
@@ -156,10 +256,12 @@ def help_text() -> str:
 
 
 def fail(error: Exception) -> None:
-    """Print `error: …` on stderr and exit with status 2 (re-raise under HYDRA_FULL_ERROR=1)."""
+    """Print `error: …` on stderr, one line (a message's line breaks joined with `; `), and exit
+    with status 2 (re-raise under HYDRA_FULL_ERROR=1)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
-    print(f"error: {error}", file=sys.stderr)
+    line = re.sub(r"\s*\n\s*", "; ", str(error).strip())  # one line, always
+    print(f"error: {line}", file=sys.stderr)
     raise SystemExit(2)
 
 

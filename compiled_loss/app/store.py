@@ -25,7 +25,7 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from compiled_loss.app.loggers import check_installed
 from compiled_loss.app.sampler import sampling_uniforms
@@ -314,10 +314,14 @@ def check_run(config: Config) -> None:
 
 
 def load_config(cfg: DictConfig) -> Config:
-    """Composed Hydra config → validated, typed `Config` (raises ValueError naming the key),
+    """Composed Hydra config → validated, typed `Config` (raises ValueError naming the key,
+    one line: an interpolation `${…}` that does not resolve to the key's type included),
     checked against this machine's memory and the sampler's seed range (`check_run`)."""
     _strict(cfg)
-    config = OmegaConf.to_object(cfg)
+    try:
+        config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # an interpolation that does not resolve to the key's type
+        raise ConfigError(f"{e.full_key}: {str(e.msg).strip().splitlines()[0]}") from None
     check_run(config)
     return config
 
