@@ -61,7 +61,7 @@ def admit_bucket(seen: set[Any], bucket: Any, limit: int, who: str, knob: str) -
     if len(seen) >= limit:
         raise ValueError(
             f"{who}: shape bucket {bucket} would be distinct bucket {len(seen) + 1}, and {knob}={limit} "
-            "compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)"
+            "compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)"
         )
     seen.add(bucket)
 

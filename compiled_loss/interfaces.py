@@ -173,7 +173,9 @@ DATA_KEYS: dict[str, DataKey] = {
         "The preference pair a row belongs to; with `is_chosen`, rows may come in any order. Without the two, "
         "rows alternate chosen, rejected.",
     ),
-    "is_chosen": DataKey("[B]", "integer", "1 for the chosen row of its pair, 0 for the rejected one."),
+    "is_chosen": DataKey(
+        "[B]", "integer or bool", "1 (True) for the chosen row of its pair, 0 (False) for the rejected one."
+    ),
     "reward_shift": DataKey(
         "[B]", "float", "MPO's running mean reward δ, the same in every row (the driver's `update_reward_shift`)."
     ),

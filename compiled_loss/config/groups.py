@@ -80,6 +80,7 @@ class ParallelConfig:
         _at_least(self, "parallel", 1, "tp", "cp", "dp")
 
 
+MAX_BUCKETS = 100_000  # the largest compile.max_buckets
 _COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -97,6 +98,9 @@ class CompileConfig:
     """Fail on a graph break instead of splitting the graph."""
     dynamic: bool | None = False
     """False: one compile per bucket (static shapes); True: one compile in all; None: torch's default."""
+    max_buckets: int = 256
+    """The most distinct shape buckets the training step compiles (Dynamo's recompile limit of the step is
+    raised to it); a run whose bucket grid can produce more is refused when the config loads."""
 
     def __post_init__(self) -> None:
         backends = sorted(torch._dynamo.list_backends(exclude_tags=()))
@@ -108,6 +112,13 @@ class CompileConfig:
         require(
             self.mode is None or self.backend == "inductor",
             f"compile.mode={self.mode!r} needs compile.backend=inductor, got {self.backend!r}",
+        )
+        _fields(self, "compile")
+        _at_least(self, "compile", 1, "max_buckets")
+        require(
+            self.max_buckets <= MAX_BUCKETS,
+            f"compile.max_buckets must be <= {MAX_BUCKETS} (Dynamo keeps every graph it compiles), "
+            f"got {self.max_buckets}",
         )
 
 

@@ -155,6 +155,15 @@ class Config:
             f"({batch_keys}): with as many buckets per octave as the sizes it splits, the grid is the plain one "
             "(packing.per_octave=0)",
         )
+        buckets = self.bucket_bound()
+        require(
+            buckets <= self.compile.max_buckets,
+            f"the bucket grid (packing.tokens={self.packing.tokens}, .rows={self.packing.rows}, "
+            f".width={self.packing.width}, .per_octave={self.packing.per_octave}) puts the longest micro-batch "
+            f"({batch_keys}) and the smaller ones into up to {buckets} distinct shape buckets, more than "
+            f"compile.max_buckets={self.compile.max_buckets} (one compile each): coarsen the grid or raise "
+            "compile.max_buckets",
+        )
         if isinstance(self.loss, MpoLossOption):
             shift = self.loss.reward_shift
             require(
@@ -211,6 +220,20 @@ class Config:
                 f"draft.num_anchors={draft.num_anchors} exceeds {tokens}, the tokens of the longest micro-batch "
                 f"({batch_keys}): anchors are positions of one micro-batch",
             )
+
+    def bucket_bound(self) -> int:
+        """The most distinct shape buckets the training step's micro-batches can fall into
+        (`BucketGrid.bound` of the longest micro-batch), times the micro-batch counts a step
+        can run with a drafter (its loss is normalised by that count, a constant of the graph)."""
+        rows, _, _ = self.longest_micro_batch()
+        packing = self.packing
+        bound = packing.grid().bound(
+            rows,
+            self.data.max_length(),
+            packed=packing.mode != PackingMode.none,
+            pad_to_multiple=packing.pad_to_multiple,
+        )
+        return bound * (self.run.micro_batches if self.draft.name != "none" else 1)
 
     def longest_sequence(self) -> tuple[int, str]:
         """The most tokens one sequence of the data holds (`DataConfig.max_length`) and the keys

@@ -37,11 +37,16 @@ def round_to_bucket(n: int, multiple: int, per_octave: int = 0) -> int:
     each power-of-two octave holds at most `per_octave` buckets (bounded compiles for any
     range of sizes, at most `1/per_octave` padding waste).
     """
-    step = multiple
+    step = _bucket_step(n, multiple, per_octave)
+    return -(-max(n, 1) // step) * step
+
+
+def _bucket_step(n: int, multiple: int, per_octave: int) -> int:
+    """The grid step at `n` (`round_to_bucket`)."""
     if per_octave > 0 and n > 1:
         octave_start = 1 << ((n - 1).bit_length() - 1)
-        step = max(multiple, -(-octave_start // per_octave // multiple) * multiple)
-    return -(-max(n, 1) // step) * step
+        return max(multiple, -(-octave_start // per_octave // multiple) * multiple)
+    return multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +73,31 @@ class BucketGrid:
             )
         if self.per_octave < 0:
             raise ValueError(f"BucketGrid.per_octave must be >= 0, got {self.per_octave}")
+
+    def bound(self, max_rows: int, max_length: int, *, packed: bool, pad_to_multiple: int = 1) -> int:
+        """The most distinct shape buckets micro-batches of at most `max_rows` rows of at most
+        `max_length` tokens can fall into: row buckets × width buckets, × packed-token buckets
+        (each sequence padded to `pad_to_multiple`) for packed layouts. One compile per
+        bucket needs that many graphs of the compiled function."""
+        count = _distinct_buckets(max_rows, self.rows, self.per_octave)
+        count *= _distinct_buckets(max_length, self.width, self.per_octave)
+        if packed:
+            longest = -(-max_length // pad_to_multiple) * pad_to_multiple
+            count *= _distinct_buckets(max_rows * longest, self.tokens, self.per_octave)
+        return count
+
+
+def _distinct_buckets(limit: int, multiple: int, per_octave: int) -> int:
+    """How many distinct values `round_to_bucket(n, multiple, per_octave)` takes for n in 1..limit."""
+    if per_octave == 0:
+        return -(-max(limit, 1) // multiple)
+    values, start = {multiple}, 2  # n = 1 rounds to `multiple`
+    while start <= limit:  # one step for every n in (start - 1, 2·(start - 1)]: n - 1 in one octave
+        end = min(2 * start - 2, limit)
+        step = _bucket_step(start, multiple, per_octave)
+        values.update(range(-(-start // step) * step, -(-end // step) * step + 1, step))
+        start = end + 1
+    return len(values)
 
 
 def row_width(data: Mapping[str, Tensor]) -> int:

@@ -219,6 +219,9 @@ class CompileRecorder:
             if m.fail_type and m.fail_user_frame_filename:
                 fail_location = _where(m.fail_user_frame_filename, m.fail_user_frame_lineno)
             frame = f"{m.co_name} at {_where(m.co_filename, m.co_firstlineno)}"
+            if m.co_name is None:  # a compile Dynamo refused (its recompile limit) names no code: its frame's
+                same = [f for f in self.report.frames if f.compile_id.split("/")[0] == str(m.compile_id).split("/")[0]]
+                frame = same[0].frame if same else "an unnamed frame"
             self.report.frames.append(
                 FrameRecord(
                     compile_id=str(m.compile_id),

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from compiled_loss.compile import CompiledModule, compile_loss
+from compiled_loss.compile import CompiledModule, admit_bucket, compile_loss
 from compiled_loss.config import CompileConfig, Config, PackingMode
 from compiled_loss.draft import (
     DraftBatch,
@@ -247,6 +247,11 @@ class StepOptions:
     """Token ids are checked against it (`model.vocab_size`)."""
     grad_clip: float | None = None
     """Gradient-norm clip of the policy and, on its own, of the drafter (`optim.grad_clip`)."""
+    max_rows: int | None = None
+    """The most rows of one micro-batch; with `max_length`, the grid's bucket bound
+    (`BucketGrid.bound`) is checked against `compile.max_buckets` when the step is built."""
+    max_length: int | None = None
+    """The longest row of a batch (`DataConfig.max_length`)."""
 
     @staticmethod
     def of(cfg: Config) -> StepOptions:
@@ -265,6 +270,8 @@ class StepOptions:
             validate_inputs=cfg.run.validate_inputs,
             vocab_size=cfg.model.vocab_size,
             grad_clip=cfg.optim.grad_clip,
+            max_rows=cfg.longest_micro_batch()[0],
+            max_length=cfg.data.max_length(),
         )
 
 
@@ -296,6 +303,7 @@ class TrainStep:
         self.loss_scale = gradient_scale(groups.sizes, vocab_sharded=spec.vocab_sharded)
         self.pairs = spec.pairs
         self.buckets: set[tuple[int, ...]] = set()
+        self._check_bucket_bound()
         if options.packing == PackingMode.none:
             self._logits = functools.partial(_padded_logits, temperature=options.temperature, cp=groups.cp, **capture)
         else:
@@ -319,13 +327,39 @@ class TrainStep:
         c = options.compile
         self.recorder = CompileRecorder(c.backend, "train step", c.mode) if c.enabled else None
         self.model_recorder = CompileRecorder(c.backend, "model", c.mode) if c.enabled and self._model_outside else None
+        # one graph per bucket: Dynamo's recompile limit covers compile.max_buckets, which the
+        # step holds its distinct buckets to (`_admit`)
+        kwargs = dict(fullgraph=c.fullgraph, dynamic=c.dynamic, recompile_limit=c.max_buckets)
         if self.recorder is not None:
-            fn = compile_loss(fn, recorder=self.recorder, fullgraph=c.fullgraph, dynamic=c.dynamic)
+            fn = compile_loss(fn, recorder=self.recorder, **kwargs)
         if self._model_outside:
             if self.model_recorder is not None:
-                model = CompiledModule(model, recorder=self.model_recorder, fullgraph=c.fullgraph, dynamic=c.dynamic)
+                model = CompiledModule(model, recorder=self.model_recorder, **kwargs)
             self.model = torch.nn.parallel.DistributedDataParallel(model)
         self._compiled = fn
+
+    def _check_bucket_bound(self) -> None:
+        """With `max_rows` and `max_length` known, the grid's bucket bound against `compile.max_buckets`."""
+        o = self.options
+        if not o.compile.enabled or o.max_rows is None or o.max_length is None:
+            return
+        packed = o.packing != PackingMode.none
+        bound = o.grid.bound(o.max_rows, o.max_length, packed=packed, pad_to_multiple=o.pad_to_multiple)
+        bound *= o.micro_batches if self.draft_runtime is not None else 1
+        if bound > o.compile.max_buckets:
+            raise ValueError(
+                f"TrainStep: the bucket grid {o.grid} puts micro-batches of up to {o.max_rows} rows of up to "
+                f"{o.max_length} tokens into up to {bound} distinct shape buckets, more than "
+                f"compile.max_buckets={o.compile.max_buckets} (one compile each): coarsen the grid or raise it"
+            )
+
+    def _admit(self, bucket: tuple[int, ...]) -> None:
+        """Record a micro-batch's bucket; refused before it compiles when it would be one more
+        distinct bucket than `compile.max_buckets`."""
+        if self.options.compile.enabled:
+            admit_bucket(self.buckets, bucket, self.options.compile.max_buckets, "TrainStep", "compile.max_buckets")
+        else:
+            self.buckets.add(bucket)
 
     @property
     def compiles(self) -> int:
@@ -429,15 +463,17 @@ class TrainStep:
     def _micro_step(self, micro, lengths, g_seqs, g_toks, n_micro, device):
         rows, grid = len(lengths), self.options.grid
         num_rows = round_to_bucket(rows, grid.rows, grid.per_octave)
+        # with a drafter the micro-batch count is a constant of the graph, so part of its bucket
+        count = (n_micro,) if self.draft_runtime is not None else ()
         if self.options.packing == PackingMode.none:
             data = pad_to_bucket(micro, rows, num_rows, grid)
             shape = tuple(data["input_ids"].shape)
-            self.buckets.add(shape)
+            self._admit(shape + count)
             return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), shape[0] * shape[1])
         cu, cu_padded = packed_boundaries(lengths, self.options.pad_to_multiple)
         layout = PackedLayout.build(cu, cu_padded, grid=grid, device=device, context_parallel_group=self.groups.cp)
         data = layout.pad_data(micro)
-        self.buckets.add((layout.tokens,) + tuple(data["input_ids"].shape))
+        self._admit((layout.tokens,) + tuple(data["input_ids"].shape) + count)
         return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), layout.tokens)
 
     def _run(self, *inputs, g_seqs, g_toks, n_micro):

@@ -398,25 +398,25 @@ class TestBuckets(TestCase):
     def test_grpo(self):
         self.assertExpectedInline(
             self._refusal("grpo"),
-            """FusedLinearGRPOLoss: shape bucket (float32[2, 320, 8] grad, float32[16, 8] grad, None, int64[2, 320], float32[2, 320], float32[2], None, float32[2, 320], float32[], float32[], float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearGRPOLoss: shape bucket (float32[2, 320, 8] grad, float32[16, 8] grad, None, int64[2, 320], float32[2, 320], float32[2], None, float32[2, 320], float32[], float32[], float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)""",
         )
 
     def test_cross_entropy(self):
         self.assertExpectedInline(
             self._refusal("ce"),
-            """FusedLinearCrossEntropyLoss: shape bucket (float32[1, 320, 8] grad, float32[16, 8] grad, None, int64[1, 320], float32[1, 320], float32[], float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearCrossEntropyLoss: shape bucket (float32[1, 320, 8] grad, float32[16, 8] grad, None, int64[1, 320], float32[1, 320], float32[], float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)""",
         )
 
     def test_dpo(self):
         self.assertExpectedInline(
             self._refusal("dpo"),
-            """FusedLinearDPOLoss: shape bucket (float32[4, 320, 8] grad, float32[16, 8] grad, None, int64[4, 320], float32[4, 320], None, None, None, float32[], float32, None; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearDPOLoss: shape bucket (float32[4, 320, 8] grad, float32[16, 8] grad, None, int64[4, 320], float32[4, 320], None, None, None, float32[], float32, None; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)""",
         )
 
     def test_jsd(self):
         self.assertExpectedInline(
             self._refusal("jsd"),
-            """FusedLinearJSDLoss: shape bucket (float32[320, 8] grad, float32[16, 8] grad, None, float32[320, 6], float32[16, 6], None, int64[320], float32[320], float32[], float32, float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)""",
+            """FusedLinearJSDLoss: shape bucket (float32[320, 8] grad, float32[16, 8] grad, None, float32[320, 6], float32[16, 6], None, int64[320], float32[320], float32[], float32, float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)""",
         )
 
 
@@ -446,7 +446,7 @@ def test_max_buckets_refusals():
     assert str(refused.value) == (
         "FusedLinearCrossEntropyLoss: shape bucket (float32[1, 16, 16], float32[50, 16], None, int64[1, 16], "
         "float32[1, 16], float32[], float32; grad on) would be distinct bucket 2, and max_buckets=1 compiles at "
-        "most that many: raise it, or coarsen the bucket grid (a larger step or per_octave)"
+        "most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)"
     )
 
 

@@ -40,7 +40,7 @@ def test_the_glossary_agrees_with_the_batch_checks():
     for key, shape in expected.items():
         assert DATA_KEYS[key].shape == shape, key
     for key in validate.INTEGER_KEYS:
-        assert DATA_KEYS[key].dtype == "integer", key
+        assert DATA_KEYS[key].dtype == ("integer or bool" if key in validate.FLAG_KEYS else "integer"), key
     for key in validate.FLOAT_KEYS:
         assert DATA_KEYS[key].dtype == "float", key
-    assert {e.dtype for e in DATA_KEYS.values()} == {"integer", "float"}
+    assert {e.dtype for e in DATA_KEYS.values()} == {"integer", "integer or bool", "float"}
