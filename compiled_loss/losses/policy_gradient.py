@@ -445,6 +445,19 @@ class ClippedPGLossFn:
         metrics.update({k: v.detach() for k, v in {**tis_metrics, **extra}.items()})
         return loss, metrics
 
+    def token_objective(self, next_token_logprobs: Tensor, data: Mapping[str, Tensor]) -> Tensor:
+        """The actor objective per token, `[B, S-1]` like `next_token_logprobs`: the clipped
+        surrogate (PPO with the dual clip, CISPO, REINFORCE, GSPO's sequence ratio), times the
+        importance weights with `use_importance_sampling_correction`, 0 outside the mask. The
+        loss's actor term is its reduction (`reduce_like_loss`); the reference KL and the NLL
+        term are not in it. For front-ends that reduce tokens their own way (verl's
+        `agg_loss`)."""
+        x, _ = self._tokens(next_token_logprobs, data, None)
+        per_token = self._clipped_objective(x, *self._ratios(x))
+        if self.cfg.use_importance_sampling_correction:
+            per_token = self._importance_weights(x, None, None)[0] * per_token
+        return per_token
+
     # ---- the steps, in the reference's order -------------------------------------------
 
     def _tokens(
