@@ -307,7 +307,8 @@ class ModelConfig:
     """tiny: the embedded TinyLM; hf: a Hugging Face transformers causal LM (`model=hf`; pip install
     'compiled_loss[hf]'), built from the sizes above (random init, no download) or loaded from hf_path."""
     hf_model_type: str = "llama"
-    """architecture=hf: the transformers model_type built from the sizes above (llama, qwen2, mistral, …;
+    """architecture=hf: the transformers model_type built from the sizes above (one of
+    compiled_loss.demo.hf.SUPPORTED_MODEL_TYPES: llama, qwen2, mistral, granite, cohere, …;
     its MLP is mlp_ratio × hidden_size wide, max_positions its max_position_embeddings); unused with hf_path."""
     hf_path: str | None = None
     """architecture=hf: a local directory of a transformers causal LM (config.json and weights, as

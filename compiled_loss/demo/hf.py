@@ -39,6 +39,7 @@ from torch import nn
 from compiled_loss.checks import ConfigError, require
 from compiled_loss.config import ModelConfig
 from compiled_loss.demo.model import TinyLM
+from compiled_loss.integrations.hf import head_transform
 from compiled_loss.vocab import LinearLogits
 
 Tensor = torch.Tensor
@@ -53,6 +54,30 @@ def _transformers() -> Any:
             f"model.architecture=hf needs the transformers package, which does not import ({e}): "
             "pip install 'compiled_loss[hf]'"
         ) from None
+
+
+SUPPORTED_MODEL_TYPES = tuple(
+    """
+apertus apertus1p5_text arcee aria_text biogpt bitnet cohere ctrl diffllama doge ernie4_5
+ernie4_5_moe exaone flex_olmo gemma glm glm4 glm4_moe gpt-sw3 gpt2 gpt_bigcode
+gpt_neox granite granitemoe granitemoeshared helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hy_v3
+hyperclovax internlm3 iquestcoder jais2 jetmoe laguna lfm2 llama mellum minicpm5_moe
+minimax_m2 minimax_m3_vl_text ministral3 mistral mixtral nanochat nemotron olmo olmo2 olmoe opt
+param2moe persimmon phi phi3 phimoe qwen2 qwen2_moe qwen3 qwen3_moe sarvam_moe seed_oss
+smollm3 solar_open stablelm starcoder2
+""".split()
+)
+"""The `transformers` model types `model=hf` runs: decoder-only text LMs of full attention whose
+logits, prefill and decode are tested equal to the model's own (`model(...).logits`, with its logit
+scaling or softcap) in tests/app/test_hf_model.py."""
+
+
+def _require_supported(model_type: str, where: str) -> None:
+    require(
+        model_type in SUPPORTED_MODEL_TYPES,
+        f"{where} is not a model type model=hf runs (decoder-only text LMs of full attention, keys and values of "
+        f"one head width, each tested against transformers' own logits): one of {', '.join(SUPPORTED_MODEL_TYPES)}",
+    )
 
 
 def hf_config(model: ModelConfig) -> Any:
@@ -78,6 +103,7 @@ def hf_config(model: ModelConfig) -> Any:
             "data.modulus read it)",
         )
     else:
+        _require_supported(model.hf_model_type, f"model.hf_model_type={model.hf_model_type!r}")
         try:
             config = transformers.AutoConfig.for_model(
                 model.hf_model_type,
@@ -87,7 +113,12 @@ def hf_config(model: ModelConfig) -> Any:
                 num_hidden_layers=model.num_layers,
                 num_attention_heads=model.num_heads,
                 num_key_value_heads=model.num_heads,
+                head_dim=model.hidden_size // model.num_heads,
                 max_position_embeddings=model.max_positions,
+                # the task's PAD, BOS and EOS (a default past a small vocabulary fails the embedding's check)
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
             )
         except ValueError as e:
             raise ConfigError(f"model.hf_model_type={model.hf_model_type!r}: {e}") from None
@@ -95,6 +126,12 @@ def hf_config(model: ModelConfig) -> Any:
         f"model.hf_path={model.hf_path}" if model.hf_path is not None else f"model.hf_model_type={model.hf_model_type}"
     )
     text = config.get_text_config()
+    if model.hf_path is not None:
+        _require_supported(config.model_type, f"{where} (model_type {config.model_type!r})")
+    try:
+        head_transform(config)  # its logit scaling / softcap: a number > 0
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
     layer_types = getattr(text, "layer_types", None) or []
     require(
         all(t == "full_attention" for t in layer_types),
@@ -133,6 +170,7 @@ class HFCausalLM(nn.Module):
         else:
             self.lm = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
         self.vocab_shard = vocab_shard
+        self.head_transform = head_transform(self.lm.config)  # the model's own logits: scaling, softcap
         self._cache = transformers.DynamicCache  # the generation cache (resolved here: Dynamo traces no import)
         self.train()
 
@@ -179,7 +217,9 @@ class HFCausalLM(nn.Module):
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (index[None, :] <= index[:, None])
         hidden = self._hidden(input_ids, position_ids, mask[:, None])
         weight, bias = self._head(full_vocab)
-        return LinearLogits(hidden, weight, bias) if linear_logits else F.linear(hidden, weight, bias)
+        if linear_logits:
+            return self.head_transform.linear(hidden, weight, bias)
+        return self.head_transform.dense(F.linear(hidden, weight, bias))
 
     def prefill(self, input_ids: Tensor, lengths: Tensor, cache_len: int) -> tuple[Tensor, Tensor]:
         """Prompts `input_ids [R, P]` (row `r`'s first `lengths[r]` tokens; the rest is
@@ -192,7 +232,8 @@ class HFCausalLM(nn.Module):
         hidden = self._hidden(input_ids, index.expand(rows, width), mask, cache)
         last = hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         slots = torch.stack([torch.stack([layer.keys, layer.values]) for layer in cache.layers])
-        return F.linear(last, *self._head(full_vocab=True)), F.pad(slots, (0, 0, 0, cache_len - width))
+        logits = self.head_transform.dense(F.linear(last, *self._head(full_vocab=True)))
+        return logits, F.pad(slots, (0, 0, 0, cache_len - width))
 
     def decode(self, tokens: Tensor, positions: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
         """One token per row (`tokens`, `positions` `[R]`) over the cache of `prefill`: its
@@ -205,7 +246,8 @@ class HFCausalLM(nn.Module):
         hidden = self._hidden(tokens[:, None], positions[:, None], mask, past)
         new = torch.stack([torch.stack([layer.keys[..., -1:, :], layer.values[..., -1:, :]]) for layer in past.layers])
         write = (slots[None, :] == positions[:, None])[:, None, :, None]
-        return F.linear(hidden[:, 0], *self._head(full_vocab=True)), torch.where(write, new, cache)
+        logits = self.head_transform.dense(F.linear(hidden[:, 0], *self._head(full_vocab=True)))
+        return logits, torch.where(write, new, cache)
 
 
 Policy = TinyLM | HFCausalLM

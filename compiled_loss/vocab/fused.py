@@ -25,6 +25,7 @@ shard's share of `dH` — summed over the group by whoever replicated `hidden` (
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,12 @@ class LinearLogits:
     weight: Tensor
     bias: Tensor | None = None
     dtype: torch.dtype | None = None
+    softcap: float | None = None
+    """The model's final-logit softcapping (Gemma's `final_logit_softcapping`): the logits are
+    `softcap · tanh(z / softcap)` of the projection `z`, inside each chunk, with its gradient."""
+    scale: float = 1.0
+    """A factor of the logits after the softcap (a temperature divides it; without a softcap,
+    scaling folds into the hidden states and the bias instead)."""
     objective: Callable[..., Tensor] | None = dataclasses.field(default=None, repr=False)
     """Set by the micro-batch entry point for a loss that is a sum over tokens
     (`InputSpec.token_separable`): the loss as a function of its inputs and data,
@@ -91,6 +98,10 @@ class LinearLogits:
             )
         if self.bias is not None and tuple(self.bias.shape) != (self.weight.shape[0],):
             raise ValueError(f"LinearLogits: bias must be [{self.weight.shape[0]}], got {tuple(self.bias.shape)}")
+        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and 0 < self.softcap < math.inf):
+            raise ValueError(f"LinearLogits: softcap must be a finite float > 0 or None, got {self.softcap!r}")
+        if not (isinstance(self.scale, (int, float)) and 0 < self.scale < math.inf):
+            raise ValueError(f"LinearLogits: scale must be a finite float > 0, got {self.scale!r}")
         if self.dtype is None:
             device = self.hidden.device.type
             if torch.is_autocast_enabled(device):
@@ -116,19 +127,45 @@ class LinearLogits:
         return self.hidden.dim()
 
     def __truediv__(self, temperature: float) -> LinearLogits:
-        """The logits divided by `temperature` (hidden states and bias scaled)."""
+        """The logits divided by `temperature` (hidden states and bias scaled; after a softcap, `scale`)."""
+        if self.softcap is not None:
+            return dataclasses.replace(self, scale=self.scale / temperature)
         bias = None if self.bias is None else self.bias / temperature
         return dataclasses.replace(self, hidden=self.hidden / temperature, bias=bias)
+
+    @property
+    def head(self) -> tuple[float | None, float]:
+        """`(softcap, scale)`: what turns the projection into the logits (`_head`)."""
+        return self.softcap, self.scale
 
     def logits(self) -> Tensor:
         """The logits themselves, `[..., V]` (for a consumer that reads every logit)."""
         return self.linear(self.weight, self.bias)
 
     def linear(self, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """`hidden @ weightᵀ + bias` in the logits' dtype, for these or other rows of the head."""
+        """The logits (`hidden @ weightᵀ + bias`, softcapped and scaled) in their dtype, for these
+        or other rows of the head."""
         hidden, weight, bias = _cast(self.dtype, self.hidden, weight, bias)
         with torch.autocast(hidden.device.type, enabled=False):
-            return torch.nn.functional.linear(hidden, weight, bias)
+            return _head(torch.nn.functional.linear(hidden, weight, bias), self.head)
+
+
+def _head(z: Tensor, head: tuple[float | None, float]) -> Tensor:
+    """The logits of the projection `z`: `scale · softcap · tanh(z / softcap)` (no tanh without a softcap)."""
+    softcap, scale = head
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return z * scale if scale != 1.0 else z
+
+
+def _head_grad(z: Tensor, g: Tensor, head: tuple[float | None, float]) -> Tensor:
+    """The gradient w.r.t. the projection `z` from `g`, the one w.r.t. the logits `_head(z, head)`."""
+    softcap, scale = head
+    if scale != 1.0:
+        g = g * scale
+    if softcap is not None:
+        g = g * (1 - torch.tanh(z / softcap).square())
+    return g
 
 
 def _cast(dtype: torch.dtype, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -160,10 +197,10 @@ def _chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, 
 
 
 @torch.compiler.nested_compile_region
-def _reduce_chunk(h, weight, bias, local, in_shard, teacher, top_k_top_p, entropy, group):
+def _reduce_chunk(h, weight, bias, local, in_shard, teacher, top_k_top_p, entropy, group, head):
     """One row chunk's statistics (`_shard_stats`) and its top-k / top-p thresholds (None
     without a filter), taken from the very logits they filter."""
-    x = torch.nn.functional.linear(h, weight, bias).float()
+    x = _head(torch.nn.functional.linear(h, weight, bias).float(), head)
     threshold = None if top_k_top_p is None else _thresholds(x, *top_k_top_p, group=group)
     x, _ = _filtered_chunk(x, threshold, False)
     return *_shard_stats(x, teacher, local, in_shard, entropy), *([] if threshold is None else [threshold])
@@ -171,13 +208,13 @@ def _reduce_chunk(h, weight, bias, local, in_shard, teacher, top_k_top_p, entrop
 
 @torch.compiler.nested_compile_region
 def _column_grad_chunk(
-    hidden, weight, bias, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy, grad_hidden
+    hidden, weight, bias, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy, grad_hidden, head
 ):
     """One vocabulary column chunk of the backward: `dH` accumulated (fp32), this chunk's
     rows of `dW` and `d bias`."""
-    x = torch.nn.functional.linear(hidden, weight, bias).float()
-    g = _chunk_grad(x, None, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy)
-    g = g.to(weight.dtype)
+    z = torch.nn.functional.linear(hidden, weight, bias).float()
+    g = _chunk_grad(_head(z, head), None, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy)
+    g = _head_grad(z, g, head).to(weight.dtype)
     grad_bias = [] if bias is None else [g.float().sum(0).to(bias.dtype)]
     return grad_hidden + (g @ weight).float(), g.t() @ hidden, *grad_bias
 
@@ -199,20 +236,21 @@ def _row_grad_chunk(
     entropy,
     grad_weight,
     grad_bias,
+    head,
 ):
     """One row chunk of the backward under top-k / top-p (the keep mask from the same logits
     as in the forward): its rows of `dH`, `dW` and `d bias` accumulated (fp32)."""
-    x = torch.nn.functional.linear(h, weight, bias).float()
-    x, kept = _filtered_chunk(x, threshold, True)
+    z = torch.nn.functional.linear(h, weight, bias).float()
+    x, kept = _filtered_chunk(_head(z, head), threshold, True)
     g = _chunk_grad(x, kept, teacher, lse, negent, teacher_lse, grads, local, in_shard, live, entropy)
-    g = g.to(weight.dtype)
+    g = _head_grad(z, g, head).to(weight.dtype)
     grad_bias = [] if grad_bias is None else [grad_bias + g.float().sum(0)]
     return g @ weight, grad_weight + (g.t() @ h).float(), *grad_bias
 
 
 class _LinearVocabReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group):
+    def forward(ctx, hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group, head):
         n, vocab = hidden.shape[0], weight.shape[0]
         local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
         parts = [
@@ -226,6 +264,7 @@ class _LinearVocabReduce(torch.autograd.Function):
                 top_k_top_p,
                 entropy,
                 group,
+                head,
             )
             for s, e in _chunks(n, vocab, chunk_size)
         ]
@@ -235,7 +274,7 @@ class _LinearVocabReduce(torch.autograd.Function):
             stats, weighted, picked, entropy, teacher is not None, group
         )
         ctx.save_for_backward(hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
-        ctx.chunk_size, ctx.entropy = chunk_size, entropy
+        ctx.chunk_size, ctx.entropy, ctx.head = chunk_size, entropy, head
         return lse, picked, negent, cross
 
     @staticmethod
@@ -258,6 +297,7 @@ class _LinearVocabReduce(torch.autograd.Function):
                 grads,
                 ctx.entropy,
                 ctx.chunk_size,
+                ctx.head,
             )
         else:  # the keep mask must be recomputed from the forward's own row chunks
             grad_hidden, grad_weight, grad_bias = _row_chunked_backward(
@@ -274,12 +314,13 @@ class _LinearVocabReduce(torch.autograd.Function):
                 grads,
                 ctx.entropy,
                 ctx.chunk_size,
+                ctx.head,
             )
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _vocab_chunked_backward(
-    hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, entropy, chunk_size
+    hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, entropy, chunk_size, head
 ):
     """dH, dW, d bias over column chunks of the vocabulary (as many logits per chunk as a
     row chunk holds): each chunk's rows of dW and d bias are computed once — no dW-sized
@@ -306,6 +347,7 @@ def _vocab_chunked_backward(
             live,
             entropy,
             grad_hidden,
+            head,
         )
         grad_weight.append(grad_w)
         grad_bias += grad_b
@@ -313,7 +355,20 @@ def _vocab_chunked_backward(
 
 
 def _row_chunked_backward(
-    hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse, grads, entropy, chunk_size
+    hidden,
+    weight,
+    bias,
+    local,
+    in_shard,
+    threshold,
+    teacher,
+    lse,
+    negent,
+    teacher_lse,
+    grads,
+    entropy,
+    chunk_size,
+    head,
 ):
     """dH, dW, d bias over the forward's row chunks (each chunk's keep mask from the same
     logits as in the forward)."""
@@ -339,6 +394,7 @@ def _row_chunked_backward(
             entropy,
             grad_weight,
             grad_bias,
+            head,
         )
         rows.append(grad_rows)
         grad_bias = grad_b[0] if grad_b else None
@@ -366,7 +422,9 @@ def linear_vocab_reduce(
     hidden, weight, bias = _cast(logits.dtype, logits.hidden, logits.weight, logits.bias)
     with torch.autocast(hidden.device.type, enabled=False):  # the projection in the logits' own dtype
         return VocabStats(
-            *_LinearVocabReduce.apply(hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group)
+            *_LinearVocabReduce.apply(
+                hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group, logits.head
+            )
         )
 
 
@@ -440,11 +498,12 @@ def linear_vocab_gradient(
 
     def chunk(accumulated: list[Tensor], xs: tuple[Tensor, ...]) -> tuple[list[Tensor], tuple[Tensor, ...]]:
         h, local, in_shard, at = xs
-        x = torch.nn.functional.linear(h, w, b).float()
+        z = torch.nn.functional.linear(h, w, b).float()
+        x = _head(z, logits.head)
         stats = VocabStats(*_merge_shards(*_shard_stats(x, None, local, in_shard, False), False, False, group)[:4])
         grads = tuple(torch.func.grad(lambda chunk_stats: objective(placed(chunk_stats, at)))(stats))
         g = _chunk_grad(x, None, None, stats.lse, stats.negent, None, grads, local, in_shard, _live(grads), False)
-        g = g.to(w.dtype)
+        g = _head_grad(z, g, logits.head).to(w.dtype)
         grad_weight, *grad_bias = accumulated
         if h.dtype == torch.float32:
             grad_weight = torch.addmm(grad_weight, g.t(), h)

@@ -23,7 +23,9 @@ from compiled_loss.app import compose_config  # noqa: E402
 from compiled_loss.app.batches import rollout, sample_batch  # noqa: E402
 from compiled_loss.checks import ConfigError  # noqa: E402
 from compiled_loss.config import ModelConfig  # noqa: E402
+from compiled_loss.demo import hf  # noqa: E402
 from compiled_loss.demo.hf import HFCausalLM, policy_model  # noqa: E402
+from compiled_loss.integrations.hf import HEAD_RULES, HeadTransform  # noqa: E402
 from compiled_loss.train import build_train_step  # noqa: E402
 
 SIZES = dict(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, max_positions=64, architecture="hf")
@@ -104,7 +106,10 @@ def test_a_vocabulary_shard_is_a_slice_of_the_logits():
 def test_prefill_and_decode_give_the_forwards_next_token_logits(model_type):
     """Right-padded prompts of different lengths, then three decoding steps at each row's
     own position: every step's logits are the full forward's over the row so far."""
-    model = _model(model_type)
+    _check_generation(_model(model_type))
+
+
+def _check_generation(model: HFCausalLM) -> None:
     prompts, lengths = _ids(3, 6), torch.tensor([6, 2, 4])
     width, steps = 6, 3
     logits, cache = model.prefill(prompts, lengths, cache_len=width + steps)
@@ -115,12 +120,73 @@ def test_prefill_and_decode_give_the_forwards_next_token_logits(model_type):
         for r, row in enumerate(rows):
             n = len(row)
             expected = model(torch.tensor([row]), torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long))[0, -1]
-            torch.testing.assert_close(logits[r], expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits[r], expected, rtol=1e-5, atol=1e-4)
         tokens = logits.argmax(-1)
         for r, row in enumerate(rows):
             row.append(int(tokens[r]))
         logits, cache = model.decode(tokens, positions, cache)
         positions = positions + 1
+
+
+# each logit transform a config may declare, at a value that shows (its default is often 1 or
+# none)
+_TRANSFORMS = {"logits_scaling": 8.0, "logit_scale": 0.25, "final_logit_softcapping": 3.0}
+_FAST_TYPES = {"llama", "granite", "cohere", "nanochat", "hyperclovax"}  # one per transform rule
+
+
+def _showing_transforms(monkeypatch) -> None:
+    built = hf.hf_config
+
+    def config(model):
+        config = built(model)
+        text = config.get_text_config()
+        for name, value in _TRANSFORMS.items():
+            if name in vars(text):
+                setattr(text, name, value)
+        return config
+
+    monkeypatch.setattr(hf, "hf_config", config)
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [t if t in _FAST_TYPES else pytest.param(t, marks=pytest.mark.slow) for t in hf.SUPPORTED_MODEL_TYPES],
+)
+def test_every_supported_architecture_gives_the_models_own_logits(model_type, monkeypatch):
+    """For every model type `model=hf` accepts, with its logit scaling / softcap at a value
+    that shows and an LM head large enough for the softcap to bend: the adapter's dense
+    logits are `model(...).logits` of transformers, the fused head's factors give the same
+    logits, and prefill and decode give the forward's."""
+    _showing_transforms(monkeypatch)
+    model = _model(model_type)
+    if model_type in HEAD_RULES:
+        assert model.head_transform != HeadTransform(), "the test's transform attributes must show"
+    with torch.no_grad():
+        model.lm.get_output_embeddings().weight.mul_(30)
+        ids = _ids(2, 7)
+        args = (ids, torch.arange(7).expand(2, 7), torch.zeros_like(ids))
+        dense = model(*args)
+        torch.testing.assert_close(dense, model.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-4)
+        factors = model(*args, linear_logits=True)
+        torch.testing.assert_close(factors.logits(), dense, rtol=1e-5, atol=1e-4)
+        _check_generation(model)
+
+
+def test_a_checkpoints_logit_scaling_is_applied(tmp_path):
+    """A Granite checkpoint with logits_scaling=8, loaded with model.hf_path: the loaded
+    model's logits are transformers' own (lm_head's output / 8)."""
+    torch.manual_seed(0)
+    config = hf.hf_config(ModelConfig(**SIZES, hf_model_type="granite"))
+    config.logits_scaling = 8.0
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "granite")
+    loaded = HFCausalLM(ModelConfig(**SIZES, hf_path=str(tmp_path / "granite")))
+    assert loaded.head_transform == HeadTransform(scale=1 / 8)
+    ids = _ids(2, 7)
+    with torch.no_grad():
+        ours = loaded(ids, torch.arange(7).expand(2, 7), torch.zeros_like(ids))
+        torch.testing.assert_close(ours, loaded.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_local_weights_load_and_are_checked(tmp_path):
@@ -143,8 +209,11 @@ def test_refused_configurations_name_the_key(monkeypatch):
         ModelConfig(architecture="llama")
     with pytest.raises(ConfigError, match="model.hf_model_type='no_such_model'"):
         _model("no_such_model")
-    with pytest.raises(ConfigError, match=r"model.hf_model_type=gemma2: layer types .*full-attention layers only"):
-        _model("gemma2")
+    for unsupported in ("gemma2", "dots1", "bert", "phi4_multimodal"):  # sliding layers, crashes, an encoder, …
+        with pytest.raises(ConfigError, match=f"model.hf_model_type='{unsupported}' is not a model type model=hf runs"):
+            _model(unsupported)
+    with pytest.raises(ConfigError, match="model.hf_model_type='dots1' is not a model type"):  # at load
+        compose_config("model=hf", "model.hf_model_type=dots1")
     with pytest.raises(ConfigError, match="model.hf_model_type=mistral: a sliding window of 4096 positions, shorter"):
         _model("mistral", max_positions=8192)
     _model("mistral")  # its window covers model.max_positions: full attention is its attention
