@@ -32,11 +32,15 @@ class ParallelGroups:
     where a size is 1 or without torch.distributed. Passed as one argument from the training
     step and the wrappers down to the collectives: `tp` is the vocabulary group the vocab
     primitive reduces over, `cp` the context group the token view shards positions over,
-    `dp` the group the normalisers and metrics are summed over."""
+    `dp` the group the normalisers and metrics are summed over (every rank that reads rows of
+    its own: the replicas and the FSDP shards together). `mesh`: the run's `DeviceMesh`
+    (dimensions `dp`, `dp_shard`, `cp`, `tp`) the model is sharded on; None for a single
+    process or for groups that do not come from a training run's mesh."""
 
     tp: Any = None
     cp: Any = None
     dp: Any = None
+    mesh: Any = None
 
     @staticmethod
     def of_seed(
