@@ -24,14 +24,16 @@ GRPO casts the head so; its DPO and JSD multiply with `@`, which under autocast 
 same and outside it refuses mixed dtypes, which these modules take); the log-softmax and
 everything after it run in fp32, and each gradient comes back in its tensor's dtype.
 
-An argument a module cannot honour (a Liger loss type or option not listed in its
-docstring) is refused in the constructor or the call with a ValueError naming it.
+An argument a module cannot honour at the value given is refused in the constructor (or,
+for a forward argument, the call) with a `RefusedOption`: a ValueError naming it, its
+`option` one of `REFUSED_OPTIONS[module]`, which says at which values.
 """
 
 from __future__ import annotations
 
 import math
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +53,62 @@ Tensor = torch.Tensor
 DEFAULT_BUCKET = BucketGrid(width=16, per_octave=4)
 """Token-dimension buckets: multiples of 16, at most 4 per power-of-two octave."""
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 """TRL's `GRPOConfig.loss_type` values `FusedLinearGRPOLoss` computes."""
+
+LIGER_GRPO_LOSS_TYPES = (*GRPO_LOSS_TYPES, "sapo", "luspo", "vespo")
+"""Liger 0.8.5's GRPO loss types."""
+
+DPO_LOSS_TYPES = ("sigmoid", "bco_pair")
+"""Liger's DPO `loss_type` values `FusedLinearDPOLoss` computes."""
+
+LIGER_DPO_LOSS_TYPES = (
+    *DPO_LOSS_TYPES,
+    *("hinge", "exo_pair", "nca_pair", "robust", "sppo_hard", "apo_zero", "apo_down", "discopop"),
+)
+"""Liger 0.8.5's DPO loss types."""
+
+_CE_NEUTRAL = {
+    "ce_weight": None,
+    "lse_square_scale": 0.0,
+    "label_smoothing": 0.0,
+    "softcap": None,
+    "return_z_loss": False,
+    "accum_dtype": None,
+    "use_token_scaling": False,
+    "return_token_accuracy": False,
+    "return_predicted_tokens": False,
+}
+"""`FusedLinearCrossEntropyLoss`'s options that only their neutral value (Liger's default) honours."""
+
+REFUSED_OPTIONS: dict[str, dict[str, str]] = {
+    "FusedLinearGRPOLoss": {
+        "loss_type": "'sapo', 'luspo' and 'vespo': no objective of the library computes them",
+        "epsilon_high": "below 1 with loss_type='cispo': Liger's CISPO bounds the ratio at epsilon_high, the "
+        "library's (use_cispo) at 1 + ratio_clip_max with ratio_clip_max >= 0",
+        "delta": "at most 1, or below 1 + epsilon_high: the library's dual clip (ratio_clip_c > 1) equals Liger's "
+        "two-sided clipping from 1 + epsilon_high up",
+    },
+    "FusedLinearCrossEntropyLoss": {name: f"other than {value!r}" for name, value in _CE_NEUTRAL.items()},
+    "FusedLinearDPOLoss": {
+        "loss_type": ", ".join(repr(t) for t in LIGER_DPO_LOSS_TYPES[len(DPO_LOSS_TYPES) :])
+        + ": no objective of the library computes them",
+        "label_smoothing": "other than 0: only Liger's 'robust' and 'exo_pair' read it (TRL's sigmoid loss reads it as "
+        "cDPO, Liger's does not)",
+        "discopop_tau": "other than 0.05: only Liger's 'discopop' reads it",
+    },
+    "FusedLinearJSDLoss": {},
+}
+"""Per module, each Liger argument it may refuse by name (`RefusedOption`), and at which values."""
+
+
+class RefusedOption(ValueError):
+    """A Liger argument at a value the module `who` cannot honour; `option` names it (one of
+    `REFUSED_OPTIONS[who]`)."""
+
+    def __init__(self, who: str, option: str, message: str) -> None:
+        super().__init__(f"{who}: {message}")
+        self.who, self.option = who, option
 
 
 def _require(ok: bool, message: str) -> None:
@@ -60,15 +116,19 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _neutral(who: str, options: dict[str, tuple[Any, Any]], reader: str) -> None:
-    """Each option (name: (value, Liger's default)) at its default: only `reader`, which the
-    module does not compute, reads it — another value would change nothing here while the
-    caller means it to."""
-    for name, (value, default) in options.items():
-        _require(
-            value is default or value == default,
-            f"{who}: {name} is read only by {reader}, which this module does not compute: "
-            f"leave it at {default!r}, got {value!r}",
+def _refuse(who: str, option: str, message: str) -> None:
+    raise RefusedOption(who, option, message)
+
+
+def _neutral(who: str, option: str, value: Any, default: Any, reader: str) -> None:
+    """`option` at its default: only `reader`, which the module does not compute, reads it —
+    another value would change nothing here while the caller means it to."""
+    if not (value is default or value == default):
+        _refuse(
+            who,
+            option,
+            f"{option} is read only by {reader}, which this module does not compute: leave it at {default!r}, "
+            f"got {value!r}",
         )
 
 
@@ -122,7 +182,8 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
 class _Objective:
     """A module's objective, compiled or not, with the shape buckets it has compiled for.
 
-    `compiled`: False runs `method` eagerly; True compiles it with Inductor, a backend name
+    `compiled`: False runs `method` eagerly (an int is read as a bool, as Liger reads it);
+    True compiles it with Inductor, a backend name
     or callable with that `torch.compile` backend (`"aot_eager"`, say) — fullgraph, static
     shapes: one graph per shape bucket, at most `max_buckets` of them (Dynamo's recompile
     limit for it, raised to that). A call that would compile bucket `max_buckets + 1` is
@@ -134,9 +195,11 @@ class _Objective:
             f"{who}: max_buckets must be an int >= 1, got {max_buckets!r}",
         )
         _require(
-            isinstance(compiled, (bool, str)) or callable(compiled),
+            isinstance(compiled, (bool, int, str)) or callable(compiled),
             f"{who}: compiled must be a bool or a torch.compile backend (a name or a callable), got {compiled!r}",
         )
+        if isinstance(compiled, int):  # a bool, or an int read as one (Liger's `if compiled`)
+            compiled = bool(compiled)
         self.who, self.max_buckets, self.compiled = who, max_buckets, compiled is not False
         self.buckets: set[str] = set()
         self.fn = method
@@ -184,23 +247,40 @@ class FusedLinearGRPOLoss(nn.Module):
 
     `forward(_input [B, T, H], lin_weight [V, H], selected_token_ids [B, T], attention_mask
     [B, T] (the loss mask), advantages [B], bias=None, ref_per_token_logps=None,
-    old_per_token_logps=None, num_items_in_batch=None)` → `(loss, [kl_mean (β ≠ 0; 0
-    without use_ref_model), clip_ratio])`, as Liger returns them. `_input[:, t]` is the hidden state that predicts
-    `selected_token_ids[:, t]`. Without `old_per_token_logps` the ratio is 1 (the detached
-    log-probs, on-policy); with `use_ref_model` and β ≠ 0, `ref_per_token_logps` is required.
+    old_per_token_logps=None, ref_input=None, ref_weight=None, ref_bias=None,
+    vllm_is_ratio=None, num_items_in_batch=None)` → `(loss, [kl_mean (β ≠ 0; 0 without
+    use_ref_model), clip_ratio])`, as Liger returns them. `_input[:, t]` is the hidden state
+    that predicts `selected_token_ids[:, t]`. Without `old_per_token_logps` the ratio is 1
+    (the detached log-probs, on-policy).
 
     `loss_type` sets the normaliser (TRL's): `grpo` the mean over sequences of each
     sequence's token mean; `bnpo` the batch's valid tokens; `dr_grpo` `B ·
-    max_completion_length`; `dapo` `num_items_in_batch / world size` (default: the valid
-    tokens summed over the default process group). The KL term is TRL's: k3 (`exp(ref - lp) -
-    (ref - lp) - 1`), unclamped, reduced like the policy term; with `use_bias_correction_kl`
-    (TRL's default) weighted by the importance ratio `exp(lp - old)`, whose gradient is the
-    score-function term of `ClippedPGLossFn`'s reference KL (which also clamps). Token-level
-    importance sampling only; `delta`, `vllm_is_ratio`, `ref_input` (pass `ref_per_token_logps`) and
-    Liger's other loss types are refused, and so are the `sapo_*` and `vespo_*` options away
-    from their defaults (only those loss types read them). `chunk_size` is in token rows
-    (Liger's counts sequences; default: the library's, about 16 MiB of fp32 logits per
-    chunk). Every argument of Liger's is taken, in Liger's order.
+    max_completion_length`; `dapo` and `cispo` `num_items_in_batch / world size` (default:
+    the valid tokens summed over the default process group). `cispo` is the library's CISPO
+    (`use_cispo`): the detached ratio, bounded above at `epsilon_high`, times the log-prob;
+    the others PPO's clipped surrogate. `importance_sampling_level="sequence"` is GSPO: each
+    token's ratio is its sequence's, the exponential of the mean log-ratio over its kept
+    tokens — the library's clipped objective over each sequence's mean log-probs, which for
+    `grpo` equals `ClippedPGLossFn`'s GSPO (`sequence_level_importance_ratios`) and for the
+    token normalisers reduces over tokens as TRL does (not with `cispo`, as in Liger).
+    `delta` (two-sided clipping) is the library's dual clip (`ratio_clip_c=delta`), which
+    equals it for `delta >= 1 + epsilon_high`; `cispo` ignores it, as Liger and TRL do.
+    `vllm_is_ratio` (`[B, T]`, `[B, 1]` or `[B]`) weights each token's policy term, as TRL's
+    vLLM importance sampling does: the library's importance-sampling correction with those
+    weights (`use_importance_sampling_correction`, the generation log-probs `old -
+    log(vllm_is_ratio)`).
+
+    With `use_ref_model` and β ≠ 0, the reference log-probs are `ref_per_token_logps`, else
+    computed (no gradient) from `ref_input [B, T, H']`, `ref_weight [V, H']` and `ref_bias`
+    at the policy's temperature; given both, `ref_per_token_logps` is used, with Liger's
+    warning. The KL term is TRL's: k3 (`exp(ref - lp) - (ref - lp) - 1`), unclamped, reduced
+    like the policy term; with `use_bias_correction_kl` weighted by the importance ratio (the
+    sequence's under GSPO), whose gradient is the score-function term of `ClippedPGLossFn`'s
+    reference KL (which also clamps). The `sapo_*` and `vespo_*` options are read only by the
+    loss types refused here, and ignored as Liger ignores them for the others.
+    `chunk_size` is in token rows (Liger's counts sequences; default: the library's, about
+    16 MiB of fp32 logits per chunk). Every argument of Liger's is taken, in Liger's order;
+    `REFUSED_OPTIONS["FusedLinearGRPOLoss"]` lists the values refused.
     """
 
     def __init__(
@@ -228,33 +308,54 @@ class FusedLinearGRPOLoss(nn.Module):
     ) -> None:
         super().__init__()
         who = "FusedLinearGRPOLoss"
-        _require(loss_type in GRPO_LOSS_TYPES, f"{who}: loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+        _require(
+            loss_type in LIGER_GRPO_LOSS_TYPES,
+            f"{who}: Unknown loss type {loss_type!r}: Liger's are {LIGER_GRPO_LOSS_TYPES}",
+        )
+        if loss_type not in GRPO_LOSS_TYPES:
+            _refuse(
+                who,
+                "loss_type",
+                f"loss_type={loss_type!r} is not computed here (no objective of the library computes it): "
+                f"loss_type must be one of {GRPO_LOSS_TYPES}",
+            )
         _require(
             loss_type != "dr_grpo" or (max_completion_length or 0) > 0,
             f"{who}: loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}",
         )
         _require(
-            importance_sampling_level == "token",
-            f"{who}: importance_sampling_level must be 'token', got {importance_sampling_level!r}",
+            importance_sampling_level in ("token", "sequence"),
+            f"{who}: Unknown importance sampling level {importance_sampling_level!r}: 'token' or 'sequence'",
         )
-        _require(delta is None, f"{who}: delta (two-sided clipping) is not supported, got {delta!r}")
+        cispo = loss_type == "cispo"
+        if cispo and not epsilon_high >= 1:
+            _refuse(
+                who,
+                "epsilon_high",
+                f"loss_type='cispo' bounds the ratio at epsilon_high, and the library's CISPO bounds it at 1 + "
+                f"ratio_clip_max with ratio_clip_max >= 0: epsilon_high must be >= 1, got {epsilon_high!r}",
+            )
+        if delta is not None and not cispo and not (delta > 1 and delta >= 1 + epsilon_high):
+            _refuse(
+                who,
+                "delta",
+                f"delta (two-sided clipping) is the library's dual clip (ratio_clip_c > 1), equal to Liger's from 1 + "
+                f"epsilon_high up: delta must be > 1 and >= 1 + epsilon_high = {1 + epsilon_high!r}, got {delta!r}",
+            )
         _require(temperature > 0, f"{who}: temperature must be > 0, got {temperature!r}")
-        sapo = {
-            "sapo_temperature_pos": (sapo_temperature_pos, 1.0),
-            "sapo_temperature_neg": (sapo_temperature_neg, 1.05),
-        }
-        _neutral(who, sapo, "Liger's loss_type='sapo'")
-        vespo = {"vespo_k_pos": (vespo_k_pos, 2.0), "vespo_lambda_pos": (vespo_lambda_pos, 3.0)}
-        vespo |= {"vespo_k_neg": (vespo_k_neg, 3.0), "vespo_lambda_neg": (vespo_lambda_neg, 2.0)}
-        _neutral(who, vespo, "Liger's loss_type='vespo'")
         self.beta, self.loss_type, self.max_completion_length = beta, loss_type, max_completion_length
         self.use_ref_model, self.temperature, self.chunk_size = use_ref_model, temperature, chunk_size
         self.epsilon_low, self.epsilon_high, self.bucket = epsilon_low, epsilon_high, bucket
+        self.importance_sampling_level, self.delta = importance_sampling_level, delta
         self.use_bias_correction_kl = use_bias_correction_kl
         self.loss_fn = ClippedPGLossFn(
             ClippedPGLossConfig(
-                ratio_clip_min=epsilon_low,
-                ratio_clip_max=epsilon_high,
+                # CISPO: no lower bound (a ratio is never below 0), the upper one at epsilon_high
+                ratio_clip_min=1.0 if cispo else epsilon_low,
+                ratio_clip_max=epsilon_high - 1.0 if cispo else epsilon_high,
+                ratio_clip_c=None if cispo else delta,
+                use_cispo=cispo,
+                use_importance_sampling_correction=True,  # vllm_is_ratio's weights; exactly 1 without it
                 reference_policy_kl_penalty=0.0,  # the KL term is TRL's: see _grpo
                 token_level_loss=loss_type != "grpo",
                 metrics_level="minimal",
@@ -280,13 +381,9 @@ class FusedLinearGRPOLoss(nn.Module):
     ) -> tuple[Tensor, list[Tensor]]:
         who = "FusedLinearGRPOLoss"
         _require(
-            ref_input is None and ref_weight is None and ref_bias is None,
-            f"{who}: ref_input/ref_weight/ref_bias are not supported: pass ref_per_token_logps [B, T]",
-        )
-        _require(vllm_is_ratio is None, f"{who}: vllm_is_ratio (importance-sampling correction) is not supported")
-        _require(
-            ref_per_token_logps is not None or not self.use_ref_model or self.beta == 0,
-            f"{who}: use_ref_model=True with beta={self.beta} needs ref_per_token_logps [B, T]",
+            self.importance_sampling_level == "token" or self.loss_type != "cispo",
+            f"{who}: Sequence-level importance sampling is not supported for loss_type='cispo'. "
+            "Use importance_sampling_level='token' instead.",
         )
         if _input.dim() != 3:
             raise ValueError(f"{who}: _input must be [B, T, H], got {tuple(_input.shape)}")
@@ -296,15 +393,43 @@ class FusedLinearGRPOLoss(nn.Module):
         _shape(who, "advantages", advantages, (rows,))
         _shape(who, "old_per_token_logps", old_per_token_logps, (rows, width))
         _shape(who, "ref_per_token_logps", ref_per_token_logps, (rows, width))
+        kl_reference = self.use_ref_model and self.beta != 0  # else no KL term reads a reference
+        if self.use_ref_model and ref_per_token_logps is not None and ref_input is not None:
+            warnings.warn(
+                f"{who}: Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.", stacklevel=2
+            )
+        if not kl_reference or ref_per_token_logps is not None:
+            ref_input = ref_weight = ref_bias = None
+        else:
+            _require(
+                ref_input is not None and ref_weight is not None,
+                f"{who}: use_ref_model=True with beta={self.beta} needs ref_per_token_logps [B, T], or ref_input "
+                "[B, T, H'] with ref_weight [V, H']",
+            )
+            _shape(who, "ref_input", ref_input, (rows, width, ref_weight.shape[-1]))
+        log_is_ratio = None
+        if vllm_is_ratio is not None:
+            _require(
+                tuple(vllm_is_ratio.shape) in ((rows,), (rows, 1), (rows, width)),
+                f"{who}: vllm_is_ratio must have shape ({rows},), ({rows}, 1) or ({rows}, {width}), got "
+                f"{tuple(vllm_is_ratio.shape)}",
+            )
+            ratio = vllm_is_ratio.float().reshape(rows, -1).expand(rows, width)
+            log_is_ratio = torch.log(ratio)
         mask = attention_mask.float()
         seqs, toks = self._normalisers(mask, num_items_in_batch)
         padded = round_to_bucket(width, self.bucket.width, self.bucket.per_octave)
         old, ref = (None if x is None else x.float() for x in (old_per_token_logps, ref_per_token_logps))
-        hidden, ids, mask, old, ref = _pad_width(padded, _input, selected_token_ids, mask, old, ref)
-        if not self.use_ref_model or self.beta == 0:
-            ref = None  # no KL term: the loss reads no reference
-        dtype = _projection_dtype(_input)
-        return self._objective(hidden, lin_weight, bias, ids, mask, advantages.float(), old, ref, seqs, toks, dtype)
+        hidden, ids, mask, old, ref, ref_hidden, log_is_ratio = _pad_width(
+            padded, _input, selected_token_ids, mask, old, ref, ref_input, log_is_ratio
+        )
+        if not kl_reference:
+            ref = None
+        dtypes = _projection_dtype(_input), None if ref_input is None else _projection_dtype(ref_input)
+        return self._objective(
+            hidden, lin_weight, bias, ids, mask, advantages.float(), old, ref, ref_hidden, ref_weight, ref_bias,
+            log_is_ratio, seqs, toks, *dtypes,
+        )  # fmt: skip
 
     def _normalisers(self, mask: Tensor, num_items_in_batch: Tensor | int | None) -> tuple[Tensor, Tensor]:
         """`(sequences, tokens)` the loss divides by, as 0-d fp32 tensors (no host sync)."""
@@ -312,7 +437,7 @@ class FusedLinearGRPOLoss(nn.Module):
         seqs = mask.new_tensor(float(rows))
         if self.loss_type == "dr_grpo":
             return seqs, mask.new_tensor(float(rows * self.max_completion_length))
-        if self.loss_type == "dapo":
+        if self.loss_type in ("dapo", "cispo"):
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             if num_items_in_batch is None:
                 total = mask.sum()
@@ -323,10 +448,27 @@ class FusedLinearGRPOLoss(nn.Module):
             return seqs, (total / world).clamp(min=1.0)
         return seqs, mask.sum().clamp(min=1.0)
 
-    def _grpo(self, hidden, weight, bias, ids, mask, advantages, old, ref, seqs, toks, dtype):
+    def _grpo(
+        self, hidden, weight, bias, ids, mask, advantages, old, ref, ref_hidden, ref_weight, ref_bias, log_is_ratio,
+        seqs, toks, dtype, ref_dtype,
+    ):  # fmt: skip
         lp = _token_logprobs(hidden, weight, bias, ids, self.temperature, self.chunk_size, dtype) * mask
         old = lp.detach() if old is None else old
+        if ref is None and ref_hidden is not None:
+            with torch.no_grad():
+                head = ref_weight.detach(), None if ref_bias is None else ref_bias.detach()
+                ref = _token_logprobs(ref_hidden.detach(), *head, ids, self.temperature, self.chunk_size, ref_dtype)
         ref = lp.detach() if ref is None else ref
+        if self.importance_sampling_level == "sequence":
+            # GSPO: each token's ratio is its sequence's, exp of the mean log-ratio over its kept
+            # tokens: the clipped objective over each sequence's mean log-probs.
+            count = mask.sum(-1, keepdim=True).clamp(min=1.0)
+            ratio_lp = (lp.sum(-1, keepdim=True) / count).expand_as(lp)
+            ratio_old = ((old * mask).sum(-1, keepdim=True) / count).expand_as(lp)
+        else:
+            ratio_lp, ratio_old = lp, old
+        # vLLM's importance weights exp(prev - gen): the generation log-probs old - log(weight)
+        generation = ratio_old if log_is_ratio is None else ratio_old - log_is_ratio
 
         def shifted(x: Tensor) -> Tensor:  # entry t+1 is the log-prob of token t (NeMo-RL's alignment)
             return F.pad(x, (1, 0))
@@ -335,20 +477,23 @@ class FusedLinearGRPOLoss(nn.Module):
             "token_mask": shifted(mask),
             "sample_mask": torch.ones_like(advantages),
             "advantages": shifted(advantages[:, None].expand_as(mask)),
-            "prev_logprobs": shifted(old),
-            "generation_logprobs": shifted(old),
-            "reference_policy_logprobs": shifted(ref),
+            "prev_logprobs": shifted(ratio_old),
+            "generation_logprobs": shifted(generation),
         }
-        loss, _ = self.loss_fn(next_token_logprobs=lp, data=data, global_valid_seqs=seqs, global_valid_toks=toks)
+        loss, _ = self.loss_fn(next_token_logprobs=ratio_lp, data=data, global_valid_seqs=seqs, global_valid_toks=toks)
         count = mask.sum().clamp(min=1.0)
-        ratio = torch.exp(lp.detach() - old)
+        ratio = torch.exp(ratio_lp.detach() - ratio_old)
         adv = advantages[:, None]
-        clipped = ((ratio < 1 - self.epsilon_low) & (adv < 0)) | ((ratio > 1 + self.epsilon_high) & (adv > 0))
+        if self.loss_type == "cispo":
+            upper, lower = ratio > self.epsilon_high, torch.zeros_like(ratio, dtype=torch.bool)
+        else:
+            upper, lower = ratio > 1 + self.epsilon_high, ratio < 1 - self.epsilon_low
+        clipped = (lower & (adv < 0)) | (upper & (adv > 0))
         metrics = [(clipped.float() * mask).sum() / count]
         if self.beta != 0:
-            # TRL's k3 term, unclamped; with use_bias_correction_kl weighted by the ratio exp(lp - old).
+            # TRL's k3 term, unclamped; with use_bias_correction_kl weighted by the importance ratio.
             # Without use_ref_model the reference is the detached policy (Liger's): 0, gradient 0.
-            weight = torch.exp(lp - old) if self.use_bias_correction_kl else None
+            weight = torch.exp(ratio_lp - ratio_old) if self.use_bias_correction_kl else None
             kl = calculate_kl(lp, ref, "k3", None, None, weight) * mask
             if self.loss_type == "grpo":
                 loss = loss + self.beta * (kl.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / seqs
@@ -391,18 +536,13 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         _require(
             reduction in ("mean", "sum", "none"), f"{who}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
         )
-        for name, value, neutral in (
-            ("ce_weight", ce_weight, None),
-            ("lse_square_scale", lse_square_scale, 0.0),
-            ("label_smoothing", label_smoothing, 0.0),
-            ("softcap", softcap, None),
-            ("return_z_loss", return_z_loss, False),
-            ("accum_dtype", accum_dtype, None),
-            ("use_token_scaling", use_token_scaling, False),
-            ("return_token_accuracy", return_token_accuracy, False),
-            ("return_predicted_tokens", return_predicted_tokens, False),
-        ):
-            _require(value is neutral or value == neutral, f"{who}: {name} is not supported, got {value!r}")
+        given = dict(ce_weight=ce_weight, lse_square_scale=lse_square_scale, label_smoothing=label_smoothing)
+        given |= dict(softcap=softcap, return_z_loss=return_z_loss, accum_dtype=accum_dtype)
+        given |= dict(use_token_scaling=use_token_scaling, return_token_accuracy=return_token_accuracy)
+        given |= dict(return_predicted_tokens=return_predicted_tokens)
+        for name, neutral in _CE_NEUTRAL.items():
+            if not (given[name] is neutral or given[name] == neutral):
+                _refuse(who, name, f"{name} is not supported, got {given[name]!r}")
         self.ignore_index, self.reduction, self.chunk_size, self.bucket = ignore_index, reduction, chunk_size, bucket
         self.loss_fn = NLLLossFn()
         self._objective = _Objective("FusedLinearCrossEntropyLoss", self._cross_entropy, compiled, max_buckets)
@@ -433,13 +573,16 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
 
 class FusedLinearDPOLoss(nn.Module):
-    """Liger's `LigerFusedLinearDPOLoss` (`loss_type="sigmoid"`): `forward(lin_weight [V, H],
+    """Liger's `LigerFusedLinearDPOLoss` (`loss_type` sigmoid or bco_pair): `forward(lin_weight [V, H],
     _input [2B, T, H], target [2B, T], bias=None, ref_input=None, ref_weight=None,
     ref_bias=None)`, the first `B` rows chosen and the last `B` rejected, `target ==
     ignore_index` outside the responses. Returns `(loss, (chosen_logps [B], rejected_logps
     [B], chosen_logits_mean, rejected_logits_mean, nll_loss, chosen_rewards [B],
-    rejected_rewards [B]))` as Liger does: `loss = -mean log σ(β·((c - c_ref) - (r - r_ref)))
-    + alpha · nll_loss` (the NLL of the chosen rows, with `compute_nll_loss`: their summed
+    rejected_rewards [B]))` as Liger does, with the rewards `c_w = β·(c - c_ref)` and `r_w =
+    β·(r - r_ref)`: `loss = mean(ℓ) + alpha · nll_loss`, where `ℓ = -log σ(c_w - r_w)` for
+    `sigmoid` (DPO's Bradley–Terry term, `DPOLossFn`'s) and `ℓ = -log σ(c_w) - log σ(-r_w)`
+    for `bco_pair` (`MPOLossFn`'s BCO term at a reward shift of 0); the NLL is that of the
+    chosen rows, with `compute_nll_loss`: their summed
     token NLL over their kept tokens; NaN, as in Liger, when no chosen token is kept, adding
     nothing to the gradients), each row's log-prob summed over its response (averaged with
     `average_log_prob`), the reference's from `ref_input` / `ref_weight` (0 without
@@ -447,8 +590,8 @@ class FusedLinearDPOLoss(nn.Module):
     term, also when no chosen token is kept, where Liger's are NaN (its unused NLL of 0
     divided by that count of 0). The logit means come from the column sums of the head,
     never from the logits. `label_smoothing` and `discopop_tau`, read only by Liger's other
-    loss types, keep their defaults (others are refused); every argument of Liger's is
-    taken, in Liger's order."""
+    loss types, keep their defaults; `REFUSED_OPTIONS["FusedLinearDPOLoss"]` lists the values
+    refused. Every argument of Liger's is taken, in Liger's order."""
 
     def __init__(
         self,
@@ -468,9 +611,20 @@ class FusedLinearDPOLoss(nn.Module):
     ) -> None:
         super().__init__()
         who = "FusedLinearDPOLoss"
-        _require(loss_type == "sigmoid", f"{who}: loss_type must be 'sigmoid', got {loss_type!r}")
-        _neutral(who, {"label_smoothing": (label_smoothing, 0.0)}, "Liger's loss_type='robust' and 'exo_pair'")
-        _neutral(who, {"discopop_tau": (discopop_tau, 0.05)}, "Liger's loss_type='discopop'")
+        _require(
+            loss_type in LIGER_DPO_LOSS_TYPES,
+            f"{who}: Unsupported loss_type: {loss_type!r}. Liger's are {LIGER_DPO_LOSS_TYPES}",
+        )
+        if loss_type not in DPO_LOSS_TYPES:
+            _refuse(
+                who,
+                "loss_type",
+                f"loss_type={loss_type!r} is not computed here (no objective of the library computes it): "
+                f"loss_type must be one of {DPO_LOSS_TYPES}",
+            )
+        _neutral(who, "label_smoothing", label_smoothing, 0.0, "Liger's loss_type='robust' and 'exo_pair'")
+        _neutral(who, "discopop_tau", discopop_tau, 0.05, "Liger's loss_type='discopop'")
+        self.loss_type = loss_type
         self.ignore_index, self.beta, self.alpha, self.compute_nll_loss = ignore_index, beta, alpha, compute_nll_loss
         self.use_ref_model, self.average_log_prob, self.chunk_size = use_ref_model, average_log_prob, chunk_size
         self.bucket = bucket
@@ -529,7 +683,10 @@ class FusedLinearDPOLoss(nn.Module):
         chosen, rejected = logps[:pairs], logps[pairs:]
         chosen_rewards = self.beta * (chosen - ref[:pairs])
         rejected_rewards = self.beta * (rejected - ref[pairs:])
-        loss = -F.logsigmoid(chosen_rewards - rejected_rewards).sum() / pairs
+        if self.loss_type == "sigmoid":
+            loss = -F.logsigmoid(chosen_rewards - rejected_rewards).sum() / pairs
+        else:  # bco_pair
+            loss = -(F.logsigmoid(chosen_rewards) + F.logsigmoid(-rejected_rewards)).sum() / pairs
         nll = sums.new_zeros(())
         if self.compute_nll_loss:
             # Liger's NLL of the chosen rows; with no kept chosen target it is 0 / 0: NaN, with
@@ -551,10 +708,11 @@ class FusedLinearJSDLoss(nn.Module):
     teacher_input [N, H'], teacher_weight [V, H'], true_labels [N], student_bias=None,
     teacher_bias=None)` → `weight_hard_loss · CE(true_labels) + weight_soft_loss ·
     JSD_β(student ‖ teacher)`, both summed over the positions whose label is not
-    `ignore_index` and divided by their count. The generalised JSD at temperature `τ`: β = 0
-    is the forward KL(teacher ‖ student), β = 1 the reverse KL(student ‖ teacher). Computed
-    in row chunks (`chunk_size` rows, at most 16 chunks); each chunk's student and teacher
-    logits exist only inside its chunk and are recomputed in the backward. With
+    `ignore_index` and divided by their count (the CE only when weighted or returned). The
+    generalised JSD at temperature `τ`: β = 0 is the forward KL(teacher ‖ student), β = 1
+    the reverse KL(student ‖ teacher). Computed in row chunks (`chunk_size` rows, at most 16
+    chunks); each chunk's student and teacher logits exist only inside its chunk and are
+    recomputed in the backward. With
     `return_soft_hard_loss`, `(loss, soft_loss, hard_loss)` as Liger returns them (each
     divided by the count). Every argument of Liger's is taken, in Liger's order."""
 
@@ -644,7 +802,10 @@ class FusedLinearJSDLoss(nn.Module):
     def _chunk(self, student, weight, bias, teacher, t_weight, t_bias, ids, mask, dtype, t_dtype):
         """`[Σ CE, Σ JSD_β]` over this chunk's kept rows."""
         logits = _linear(student, weight, bias, dtype)
-        hard = -logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+        if self.weight_hard_loss != 0 or self.return_soft_hard_loss:
+            hard = F.nll_loss(logits.log_softmax(-1), ids, reduction="none")
+        else:  # neither weighted nor returned: not computed
+            hard = logits.new_zeros(logits.shape[:1])
         s = (logits / self.temperature).log_softmax(-1)
         t = (_linear(teacher, t_weight, t_bias, t_dtype) / self.temperature).log_softmax(-1)
         if self.beta == 0:

@@ -20,6 +20,7 @@ from compiled_loss.integrations import (
     FusedLinearGRPOLoss,
     FusedLinearJSDLoss,
 )
+from compiled_loss.integrations.liger import REFUSED_OPTIONS, RefusedOption
 
 liger = pytest.importorskip("liger_kernel.chunked_loss", reason="the peer: pip install --no-deps liger-kernel==0.8.5")
 
@@ -251,23 +252,74 @@ def test_mixed_dtypes_compile_with_inductor():
     _assert_same(ours(), theirs(), tol=BF16_TOL)
 
 
+GRPO_OPTIONS = {
+    "cispo": dict(loss_type="cispo", epsilon_high=1.5),
+    "cispo, beta 0": dict(loss_type="cispo", epsilon_high=2.0, beta=0.0, use_ref_model=False),
+    "gspo grpo": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "gspo dapo": dict(loss_type="dapo", importance_sampling_level="sequence", use_bias_correction_kl=True),
+    "gspo bnpo": dict(loss_type="bnpo", importance_sampling_level="sequence", beta=0.0, use_ref_model=False),
+    "delta": dict(loss_type="dapo", delta=1.5),
+    "delta grpo": dict(loss_type="grpo", delta=1.28),
+    "vllm_is_ratio [B, T]": dict(loss_type="bnpo", vllm_is_ratio=(B, T)),
+    "vllm_is_ratio [B, 1]": dict(loss_type="dr_grpo", vllm_is_ratio=(B, 1)),
+    "vllm_is_ratio cispo": dict(loss_type="cispo", epsilon_high=1.2, vllm_is_ratio=(B, T)),
+    "ref_input": dict(loss_type="dapo", ref_input=True),
+    "ref_input gspo": dict(loss_type="grpo", ref_input=True, importance_sampling_level="sequence"),
+}
+"""Liger options the library maps onto its objectives (CISPO, GSPO, the dual clip, truncated
+importance sampling, a reference head), off-policy so the ratios clip."""
+
+
+@pytest.mark.parametrize("case", GRPO_OPTIONS)
+def test_grpo_options_match_liger(case):
+    x = _inputs()
+    kw = dict(beta=0.04, max_completion_length=10, temperature=0.7, epsilon_high=0.28) | GRPO_OPTIONS[case]
+    call = dict(selected_token_ids=x["ids"], attention_mask=x["mask"], advantages=x["adv"])
+    call |= dict(old_per_token_logps=x["old"] - 1.0, num_items_in_batch=torch.tensor(20))
+    g = torch.Generator().manual_seed(7)
+    if shape := kw.pop("vllm_is_ratio", None):
+        call["vllm_is_ratio"] = torch.rand(*shape, generator=g) + 0.5
+    if kw.pop("ref_input", None):
+        call |= dict(ref_input=torch.randn(B, T, 12, generator=g), ref_weight=torch.randn(V, 12, generator=g) * 0.3)
+        call["ref_bias"] = torch.randn(V, generator=g) * 0.1
+    elif kw.get("use_ref_model", True):
+        call["ref_per_token_logps"] = x["ref"]
+    theirs = liger.LigerFusedLinearGRPOLoss(compiled=False, **kw)
+    ours = FusedLinearGRPOLoss(compiled=False, **kw)
+    _assert_same(
+        _run(lambda h, w, b: ours(h, w, bias=b, **call), x["h"], x["w"], x["b"]),
+        _run(lambda h, w, b: theirs(h, w, bias=b, **call), x["h"], x["w"], x["b"]),
+    )
+
+
+@pytest.mark.parametrize(
+    "build, option, message",
+    [
+        (lambda: FusedLinearGRPOLoss(loss_type="sapo"), "loss_type", "loss_type must be one of"),
+        (lambda: FusedLinearGRPOLoss(loss_type="cispo"), "epsilon_high", "epsilon_high must be >= 1, got 0.2"),
+        (lambda: FusedLinearGRPOLoss(delta=1.1), "delta", r"delta must be > 1 and >= 1 \+ epsilon_high = 1.2"),
+        (lambda: FusedLinearCrossEntropyLoss(label_smoothing=0.1), "label_smoothing", "label_smoothing is not"),
+        (lambda: FusedLinearDPOLoss(loss_type="hinge"), "loss_type", "loss_type must be one of"),
+        (lambda: FusedLinearDPOLoss(discopop_tau=0.1), "discopop_tau", "leave it at 0.05, got 0.1"),
+    ],
+)
+def test_options_are_refused_by_name(build, option, message):
+    """A `RefusedOption` naming an option listed in `REFUSED_OPTIONS` for its module."""
+    with pytest.raises(RefusedOption, match=message) as refused:
+        build()
+    assert refused.value.option == option and option in REFUSED_OPTIONS[refused.value.who]
+
+
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: FusedLinearGRPOLoss(loss_type="cispo"), "loss_type must be one of"),
         (lambda: FusedLinearGRPOLoss(loss_type="dr_grpo"), "needs max_completion_length > 0"),
-        (
-            lambda: FusedLinearGRPOLoss(importance_sampling_level="sequence"),
-            "importance_sampling_level must be 'token'",
-        ),
-        (lambda: FusedLinearGRPOLoss(delta=2.0), "delta"),
-        (lambda: FusedLinearCrossEntropyLoss(label_smoothing=0.1), "label_smoothing is not supported"),
+        (lambda: FusedLinearGRPOLoss(importance_sampling_level="seq"), "'token' or 'sequence'"),
         (lambda: FusedLinearCrossEntropyLoss(reduction="batchmean"), "reduction must be"),
-        (lambda: FusedLinearDPOLoss(loss_type="hinge"), "loss_type must be 'sigmoid'"),
         (lambda: FusedLinearJSDLoss(beta=1.5), r"beta must be in \[0, 1\]"),
     ],
 )
-def test_unsupported_options_are_refused(build, message):
+def test_bad_options_are_refused(build, message):
     with pytest.raises(ValueError, match=message):
         build()
 
@@ -279,8 +331,18 @@ def test_bad_calls_are_refused_before_compiled_code():
         loss(x["h"], x["w"], x["ids"], x["mask"], x["adv"])
     with pytest.raises(ValueError, match=r"advantages must have shape \(4,\), got \(4, 7\)"):
         loss(x["h"], x["w"], x["ids"], x["mask"], x["adv"][:, None].expand(B, T), ref_per_token_logps=x["ref"])
-    with pytest.raises(ValueError, match="ref_input/ref_weight/ref_bias are not supported"):
-        loss(x["h"], x["w"], x["ids"], x["mask"], x["adv"], ref_input=x["h"], ref_weight=x["w"])
+    with pytest.raises(ValueError, match=r"ref_input must have shape \(4, 7, 16\), got \(4, 6, 16\)"):
+        loss(x["h"], x["w"], x["ids"], x["mask"], x["adv"], ref_input=x["h"][:, :6], ref_weight=x["w"])
+    with pytest.raises(ValueError, match=r"vllm_is_ratio must have shape \(4,\), \(4, 1\) or \(4, 7\), got \(7,\)"):
+        loss(
+            x["h"],
+            x["w"],
+            x["ids"],
+            x["mask"],
+            x["adv"],
+            ref_per_token_logps=x["ref"],
+            vllm_is_ratio=x["adv"][:0].new_ones(7),
+        )
     with pytest.raises(ValueError, match=r"_input must be \[2B, T, H\]"):
         FusedLinearDPOLoss()(x["w"], x["h"][:3], x["ids"][:3])
 
@@ -398,7 +460,7 @@ class TestBuckets(TestCase):
     def test_grpo(self):
         self.assertExpectedInline(
             self._refusal("grpo"),
-            """FusedLinearGRPOLoss: shape bucket (float32[2, 320, 8] grad, float32[16, 8] grad, None, int64[2, 320], float32[2, 320], float32[2], None, float32[2, 320], float32[], float32[], float32; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)""",
+            """FusedLinearGRPOLoss: shape bucket (float32[2, 320, 8] grad, float32[16, 8] grad, None, int64[2, 320], float32[2, 320], float32[2], None, float32[2, 320], None, None, None, None, float32[], float32[], float32, None; grad on) would be distinct bucket 13, and max_buckets=12 compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)""",
         )
 
     def test_cross_entropy(self):
@@ -437,7 +499,7 @@ def test_max_buckets_refusals():
     with pytest.raises(ValueError, match="FusedLinearGRPOLoss: max_buckets must be an int >= 1, got 0"):
         FusedLinearGRPOLoss(max_buckets=0)
     with pytest.raises(ValueError, match="FusedLinearJSDLoss: compiled must be a bool or a torch.compile backend"):
-        FusedLinearJSDLoss(compiled=1)
+        FusedLinearJSDLoss(compiled=None)
     ce = FusedLinearCrossEntropyLoss(compiled=_Counting(), max_buckets=1)
     target = x["ids"].view(-1)
     ce(x["w"], x["h"].view(-1, H), target)  # 28 rows: the 32-row bucket
@@ -569,21 +631,7 @@ def test_every_liger_argument_at_its_default_matches_liger(name, compiled):
 
 
 REFUSED = {
-    "grpo": dict(
-        loss_type=["cispo", "sapo", "luspo", "vespo"],
-        importance_sampling_level=["sequence"],
-        sapo_temperature_pos=[2.0],
-        sapo_temperature_neg=[2.0],
-        delta=[2.0],
-        vespo_k_pos=[1.0],
-        vespo_lambda_pos=[1.0],
-        vespo_k_neg=[1.0],
-        vespo_lambda_neg=[1.0],
-        ref_input=[torch.zeros(B, T, H)],
-        ref_weight=[torch.zeros(V, H)],
-        ref_bias=[torch.zeros(V)],
-        vllm_is_ratio=[torch.ones(B, T)],
-    ),
+    "grpo": dict(loss_type=["sapo", "luspo", "vespo"], delta=[1.0, 1.1]),
     "ce": dict(
         ce_weight=[torch.ones(V)],
         lse_square_scale=[1e-4],
@@ -596,7 +644,7 @@ REFUSED = {
         return_predicted_tokens=[True],
     ),
     "dpo": dict(
-        loss_type=sorted(liger.LigerFusedLinearDPOLoss._SUPPORTED_LOSS_TYPES - {"sigmoid"}),
+        loss_type=sorted(liger.LigerFusedLinearDPOLoss._SUPPORTED_LOSS_TYPES - {"sigmoid", "bco_pair"}),
         label_smoothing=[0.1],
         discopop_tau=[0.1],
     ),
@@ -607,7 +655,10 @@ REFUSED = {
 HONOURED = {
     "grpo": {"beta", "compiled", "use_ref_model", "chunk_size", "epsilon_low", "epsilon_high", "max_completion_length"}
     | {"temperature", "use_bias_correction_kl", "_input", "lin_weight", "selected_token_ids", "attention_mask"}
-    | {"advantages", "bias", "ref_per_token_logps", "old_per_token_logps", "num_items_in_batch"},
+    | {"advantages", "bias", "ref_per_token_logps", "old_per_token_logps", "num_items_in_batch"}
+    | {"importance_sampling_level", "ref_input", "ref_weight", "ref_bias", "vllm_is_ratio"}
+    | {"sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg"}
+    | {"vespo_lambda_neg"},  # sapo_* and vespo_*: read only by the refused loss types, ignored by the others
     "ce": {"ignore_index", "reduction", "lin_weight", "_input", "target", "bias"},
     "dpo": {"ignore_index", "beta", "alpha", "compute_nll_loss", "compiled", "use_ref_model", "average_log_prob"}
     | {"chunk_size", "lin_weight", "_input", "target", "bias", "ref_input", "ref_weight", "ref_bias"},
