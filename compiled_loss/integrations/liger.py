@@ -232,10 +232,12 @@ def _linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dt
         return F.linear(hidden.to(dtype), weight.to(dtype), bias).float()
 
 
-def _token_logprobs(hidden, weight, bias, ids, temperature: float, chunk_size, dtype: torch.dtype) -> Tensor:
-    """`log softmax(hidden @ Wᵀ + b) / τ)[ids]`, fp32, shaped like `ids`, from `LinearLogits`
-    (the projection in `dtype`)."""
-    logits = LinearLogits(hidden.reshape(-1, hidden.shape[-1]), weight, bias, dtype=dtype)
+def _token_logprobs(
+    hidden, weight, bias, ids, temperature: float, chunk_size, dtype: torch.dtype, softcap: float | None = None
+) -> Tensor:
+    """`log softmax(cap(hidden @ Wᵀ + b) / τ)[ids]`, fp32, shaped like `ids`, from `LinearLogits`
+    (the projection in `dtype`; `cap` the softcap `c · tanh(z / c)`, or none)."""
+    logits = LinearLogits(hidden.reshape(-1, hidden.shape[-1]), weight, bias, dtype=dtype, softcap=softcap)
     if temperature != 1.0:
         logits = logits / temperature
     return token_logprobs(logits, ids.reshape(-1), chunk_size=chunk_size).view(ids.shape)
@@ -281,6 +283,14 @@ class FusedLinearGRPOLoss(nn.Module):
     `chunk_size` is in token rows (Liger's counts sequences; default: the library's, about
     16 MiB of fp32 logits per chunk). Every argument of Liger's is taken, in Liger's order;
     `REFUSED_OPTIONS["FusedLinearGRPOLoss"]` lists the values refused.
+
+    Beyond Liger's signature, `softcap` (default None) is the model's final-logit
+    softcapping (Gemma's `final_logit_softcapping`, from
+    `compiled_loss.integrations.hf.head_transform`): the policy's (and a reference head's)
+    logits are `softcap · tanh(z / softcap)` of the projection `z`, applied inside each chunk
+    with its gradient, before the temperature divides them, as the model's forward and TRL
+    do. A logit scale folds into `_input` and `bias` on the caller's side (the TRL trainer
+    does so).
     """
 
     def __init__(
@@ -303,6 +313,7 @@ class FusedLinearGRPOLoss(nn.Module):
         vespo_lambda_pos: float = 3.0,
         vespo_k_neg: float = 3.0,
         vespo_lambda_neg: float = 2.0,
+        softcap: float | None = None,
         bucket: BucketGrid = DEFAULT_BUCKET,
         max_buckets: int = 64,
     ) -> None:
@@ -343,6 +354,12 @@ class FusedLinearGRPOLoss(nn.Module):
                 f"epsilon_high up: delta must be > 1 and >= 1 + epsilon_high = {1 + epsilon_high!r}, got {delta!r}",
             )
         _require(temperature > 0, f"{who}: temperature must be > 0, got {temperature!r}")
+        _require(
+            softcap is None
+            or (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and 0 < softcap < math.inf),
+            f"{who}: softcap must be a finite number > 0 or None, got {softcap!r}",
+        )
+        self.softcap = None if softcap is None else float(softcap)
         self.beta, self.loss_type, self.max_completion_length = beta, loss_type, max_completion_length
         self.use_ref_model, self.temperature, self.chunk_size = use_ref_model, temperature, chunk_size
         self.epsilon_low, self.epsilon_high, self.bucket = epsilon_low, epsilon_high, bucket
@@ -452,12 +469,14 @@ class FusedLinearGRPOLoss(nn.Module):
         self, hidden, weight, bias, ids, mask, advantages, old, ref, ref_hidden, ref_weight, ref_bias, log_is_ratio,
         seqs, toks, dtype, ref_dtype,
     ):  # fmt: skip
-        lp = _token_logprobs(hidden, weight, bias, ids, self.temperature, self.chunk_size, dtype) * mask
+        lp = _token_logprobs(hidden, weight, bias, ids, self.temperature, self.chunk_size, dtype, self.softcap) * mask
         old = lp.detach() if old is None else old
         if ref is None and ref_hidden is not None:
             with torch.no_grad():
                 head = ref_weight.detach(), None if ref_bias is None else ref_bias.detach()
-                ref = _token_logprobs(ref_hidden.detach(), *head, ids, self.temperature, self.chunk_size, ref_dtype)
+                ref = _token_logprobs(
+                    ref_hidden.detach(), *head, ids, self.temperature, self.chunk_size, ref_dtype, self.softcap
+                )
         ref = lp.detach() if ref is None else ref
         if self.importance_sampling_level == "sequence":
             # GSPO: each token's ratio is its sequence's, exp of the mean log-ratio over its kept

@@ -6,7 +6,12 @@ and the trainer computes each micro-batch's loss with `FusedLinearGRPOLoss` (its
 `liger_loss`, Liger's name for it in TRL's trainers) from the policy's last hidden states
 and `lm_head`, compiled, without the `[B, T, V]` logits: the flow of TRL's Liger path
 (TRL's `use_liger_kernel`), with TRL's normalisers and gradient-accumulation scaling, and
-`kl` and `clip_ratio/region_mean` logged. A configuration it cannot honour (a loss type
+`kl` and `clip_ratio/region_mean` logged. The loss sees the model's own logits: its
+final-logit transform (`compiled_loss.integrations.hf.head_transform`: Granite's
+`logits_scaling`, Cohere's `logit_scale`, Gemma's `final_logit_softcapping`) is applied on
+the fused path, the scale folded into the hidden states and the head's bias, the softcap
+inside each chunk (`FusedLinearGRPOLoss(softcap=)`); a model whose transform that cannot
+describe is refused when the trainer is built, naming its `model_type`. A configuration it cannot honour (a loss type
 other than grpo/bnpo/dr_grpo/dapo, sequence-level importance sampling, an entropy
 mask or bonus, an off-policy mask, vLLM importance sampling, a MoE auxiliary loss, two-sided
 clipping) is refused when the trainer is built, naming the
@@ -21,7 +26,8 @@ from typing import Any
 
 import torch
 
-from compiled_loss.integrations.liger import GRPO_LOSS_TYPES, FusedLinearGRPOLoss
+from compiled_loss.integrations.hf import head_transform
+from compiled_loss.integrations.liger import FusedLinearGRPOLoss
 
 try:
     import trl
@@ -33,12 +39,15 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
 
 Tensor = torch.Tensor
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+"""The `GRPOConfig.loss_type` values the trainer computes (with TRL's `kl` and `clip_ratio/region_mean` metrics)."""
+
 
 def _refuse_unsupported(trainer: trl.GRPOTrainer) -> None:
     """A ValueError naming the first `GRPOConfig` field the fused loss cannot honour."""
     args = trainer.args
     refused = [
-        ("loss_type", trainer.loss_type not in GRPO_LOSS_TYPES, f"one of {GRPO_LOSS_TYPES}"),
+        ("loss_type", trainer.loss_type not in LOSS_TYPES, f"one of {LOSS_TYPES}"),
         ("importance_sampling_level", trainer.importance_sampling_level != "token", "'token'"),
         ("top_entropy_quantile", trainer.top_entropy_quantile < 1.0, "1.0"),
         ("entropy_coef", trainer._entropy_bonus_enabled, "0 (no entropy bonus)"),
@@ -61,6 +70,10 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self)
+        try:
+            self.head_transform = head_transform(self.accelerator.unwrap_model(self.model).config)
+        except ValueError as error:
+            raise ValueError(f"compiled_loss GRPOTrainer: {error}") from None
         self.liger_loss = FusedLinearGRPOLoss(
             beta=self.beta,
             epsilon_low=self.epsilon_low,
@@ -70,6 +83,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             loss_type=self.loss_type,
             max_completion_length=self.max_completion_length,
             use_bias_correction_kl=self.args.use_bias_correction_kl,
+            softcap=self.head_transform.softcap,
         )
         self._forward_redirection = _ForwardRedirection()
 
@@ -86,16 +100,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         width = completion_ids.shape[1]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         head = model.get_output_embeddings()
+        bias, scale = head.bias, self.head_transform.scale
         with self.accelerator.autocast():  # the mixed precision TRL's own forward runs in (GRPOConfig.bf16)
             hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             hidden = hidden[:, -width - 1 : -1]  # position t predicts completion token t
+            if scale != 1.0:  # the model's logit scale: scale · (h·Wᵀ + b) = (scale · h)·Wᵀ + scale · b
+                hidden = hidden * scale
+                bias = None if bias is None else bias * scale
             loss, metrics = self.liger_loss(
                 hidden,
                 head.weight,
                 completion_ids,
                 mask,
                 inputs["advantages"],
-                bias=head.bias,
+                bias=bias,
                 ref_per_token_logps=inputs.get("ref_per_token_logps"),
                 old_per_token_logps=inputs.get("old_per_token_logps"),
                 num_items_in_batch=inputs.get("num_items_in_batch"),

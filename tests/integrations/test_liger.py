@@ -315,6 +315,7 @@ def test_options_are_refused_by_name(build, option, message):
     [
         (lambda: FusedLinearGRPOLoss(loss_type="dr_grpo"), "needs max_completion_length > 0"),
         (lambda: FusedLinearGRPOLoss(importance_sampling_level="seq"), "'token' or 'sequence'"),
+        (lambda: FusedLinearGRPOLoss(softcap=0.0), "softcap must be a finite number > 0 or None, got 0.0"),
         (lambda: FusedLinearCrossEntropyLoss(reduction="batchmean"), "reduction must be"),
         (lambda: FusedLinearJSDLoss(beta=1.5), r"beta must be in \[0, 1\]"),
     ],
