@@ -6,7 +6,8 @@ and the trainer computes each micro-batch's loss with `FusedLinearGRPOLoss` (its
 `liger_loss`, Liger's name for it in TRL's trainers) from the policy's last hidden states
 and `lm_head`, compiled, without the `[B, T, V]` logits: the flow of TRL's Liger path
 (TRL's `use_liger_kernel`), with TRL's normalisers and gradient-accumulation scaling, and
-`kl` and `clip_ratio/region_mean` logged. The loss sees the model's own logits: its
+`kl` and `clip_ratio/region_mean` logged as TRL logs them (token-weighted means over the
+processes). The loss sees the model's own logits: its
 final-logit transform (`compiled_loss.integrations.hf.head_transform`: Granite's
 `logits_scaling`, Cohere's `logit_scale`, Gemma's `final_logit_softcapping`) is applied on
 the fused path, the scale folded into the hidden states and the head's bias, the softcap
@@ -22,12 +23,13 @@ Needs `trl` (the `[hf]` extra: `pip install 'compiled_loss[hf]'`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from compiled_loss.integrations.hf import head_transform
-from compiled_loss.integrations.liger import FusedLinearGRPOLoss
+from compiled_loss.integrations.liger import DEFAULT_BUCKET, FusedLinearGRPOLoss
 
 try:
     import trl
@@ -38,6 +40,10 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
     ) from error
 
 Tensor = torch.Tensor
+
+MAX_BUCKETS = 256
+"""The most shape buckets the trainer's loss may compile (`bucket_bound`); a configuration
+needing more is refused when the trainer is built."""
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 """The `GRPOConfig.loss_type` values the trainer computes (with TRL's `kl` and `clip_ratio/region_mean` metrics)."""
@@ -64,12 +70,41 @@ def _refuse_unsupported(trainer: trl.GRPOTrainer) -> None:
             )
 
 
-class GRPOTrainer(trl.GRPOTrainer):
-    """`trl.GRPOTrainer` whose loss is `FusedLinearGRPOLoss` (see the module docstring)."""
+def bucket_bound(args: trl.GRPOConfig) -> int:
+    """The most shape buckets the trainer's `FusedLinearGRPOLoss` can compile: the completion
+    widths of `DEFAULT_BUCKET` up to `max_completion_length` (`BucketGrid.bound`), once for
+    the training micro-batch and, when the trainer evaluates, twice more (the evaluation
+    batch, with no gradient, and a smaller last one)."""
+    widths = DEFAULT_BUCKET.bound(1, args.max_completion_length, packed=False)
+    return widths * (1 if args.eval_strategy == "no" else 3)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+
+def token_weighted_mean(value: Tensor, tokens: Tensor, reduce: Callable[[Tensor], Tensor]) -> float:
+    """A per-token metric across processes as TRL logs it: `Σ value·tokens / Σ tokens` over
+    them (`value` this process's mean over its `tokens` tokens; `reduce` sums a tensor over
+    the processes). Host: a Python float, read after the loss's graph."""
+    totals = reduce(torch.stack([value.detach().float() * tokens, tokens.float()]))
+    return (totals[0] / totals[1].clamp(min=1.0)).item()  # host
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """`trl.GRPOTrainer` whose loss is `FusedLinearGRPOLoss` (see the module docstring).
+
+    Beyond TRL's arguments, `compiled` (default True: Inductor) is the loss's
+    `torch.compile` backend, or False to run it eagerly. The loss compiles at most
+    `bucket_bound(args)` shape buckets, so a run never stops at Dynamo's recompile limit;
+    a `max_completion_length` needing more than `MAX_BUCKETS` is refused when the trainer
+    is built."""
+
+    def __init__(self, *args: Any, compiled: bool | str | Callable[..., Any] = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self)
+        buckets = bucket_bound(self.args)
+        if buckets > MAX_BUCKETS:
+            raise ValueError(
+                f"compiled_loss GRPOTrainer: GRPOConfig.max_completion_length={self.args.max_completion_length} "
+                f"gives {buckets} shape buckets of the fused loss, more than MAX_BUCKETS={MAX_BUCKETS} compiles"
+            )
         try:
             self.head_transform = head_transform(self.accelerator.unwrap_model(self.model).config)
         except ValueError as error:
@@ -84,6 +119,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             max_completion_length=self.max_completion_length,
             use_bias_correction_kl=self.args.use_bias_correction_kl,
             softcap=self.head_transform.softcap,
+            compiled=compiled,
+            max_buckets=buckets,
         )
         self._forward_redirection = _ForwardRedirection()
 
@@ -119,10 +156,15 @@ class GRPOTrainer(trl.GRPOTrainer):
                 num_items_in_batch=inputs.get("num_items_in_batch"),
             )
         mode = "train" if self.model.training else "eval"
-        # host: TRL's trainer logs each micro-batch's metrics as Python floats (its own path syncs the same way)
+        # TRL's trainer logs each micro-batch's metrics as Python floats, token-weighted across processes
+        tokens = mask.sum()
+
+        def reduce(stats: Tensor) -> Tensor:
+            return self.accelerator.reduce(stats, reduction="sum")
+
         if self.beta != 0.0:
-            self._metrics[mode]["kl"].append(self.accelerator.gather(metrics[0]).mean().item())  # host
-        self._metrics[mode]["clip_ratio/region_mean"].append(self.accelerator.gather(metrics[-1]).mean().item())  # host
+            self._metrics[mode]["kl"].append(token_weighted_mean(metrics[0], tokens, reduce))
+        self._metrics[mode]["clip_ratio/region_mean"].append(token_weighted_mean(metrics[-1], tokens, reduce))
         if mode == "eval":
             return loss
         if self.loss_type == "dapo":  # num_items_in_batch spans the generation batch (TRL's rescaling)

@@ -180,3 +180,80 @@ def test_unsupported_configuration_is_refused_naming_the_field(tmp_path):
             train_dataset=prompts,
             processing_class=tokenizer,
         )
+
+
+def _trainer(tmp_path, **config):
+    from compiled_loss.integrations.trl import GRPOTrainer
+
+    tokenizer = _tiny_model(tmp_path / "model")
+    args = trl.GRPOConfig(
+        **{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "num_generations": 4}
+        | {"use_cpu": True, "report_to": [], "bf16": False, "beta": 0.0}
+        | config
+    )
+    prompts = datasets.Dataset.from_dict({"prompt": ["ab"] * 4})
+    return GRPOTrainer(
+        model=str(tmp_path / "model"),
+        reward_funcs=_distinct_characters,
+        args=args,
+        train_dataset=prompts,
+        eval_dataset=None if args.eval_strategy == "no" else prompts,
+        processing_class=tokenizer,
+        compiled="eager",
+    )
+
+
+def test_the_loss_compiles_every_completion_bucket_of_max_completion_length(tmp_path):
+    """max_completion_length=256: 12 token buckets (16, 32, …, 128, 160, …, 256), each compiled
+    once by the trainer's loss (Dynamo's default limit of 8 stopped the run at the ninth)."""
+    from compiled_loss.integrations.trl import bucket_bound
+
+    trainer = _trainer(tmp_path, max_completion_length=256)
+    assert bucket_bound(trainer.args) == trainer.liger_loss._objective.max_buckets == 12
+    g = torch.Generator().manual_seed(0)
+    weight = trainer.model.get_output_embeddings().weight.detach()
+    widths = (1, 17, 40, 60, 70, 90, 100, 120, 130, 170, 200, 256)
+    for width in widths:
+        hidden = torch.randn(4, width, weight.shape[1], generator=g, requires_grad=True)
+        ids = torch.randint(0, weight.shape[0], (4, width), generator=g)
+        loss, _ = trainer.liger_loss(hidden, weight, ids, torch.ones(4, width), torch.randn(4, generator=g))
+        loss.backward()
+        assert torch.isfinite(hidden.grad).all()
+    assert len(trainer.liger_loss._objective.buckets) == len(widths)
+
+
+def test_more_buckets_than_the_cap_are_refused_when_the_trainer_is_built(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"^compiled_loss GRPOTrainer: GRPOConfig.max_completion_length=1073741824 gives 300 shape buckets of "
+        r"the fused loss, more than MAX_BUCKETS=256 compiles$",
+    ):
+        _trainer(tmp_path, max_completion_length=2**30, eval_strategy="steps", eval_steps=1)
+
+
+_RANK = """
+import sys, torch, torch.distributed as dist
+from compiled_loss.integrations.trl import token_weighted_mean
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=2)
+def reduce(t):
+    dist.all_reduce(t)
+    return t
+# rank 0: 3 tokens with metric 1; rank 1: 1 token with metric 0
+value, tokens = (torch.tensor(1.0), torch.tensor(3)) if rank == 0 else (torch.tensor(0.0), torch.tensor(1))
+print(token_weighted_mean(value, tokens, reduce))
+dist.destroy_process_group()
+"""
+
+
+def test_metrics_are_token_weighted_across_processes(tmp_path):
+    """TRL's global_masked_mean: (3·1 + 1·0) / 4 = 0.75 on every rank (a mean of per-rank means
+    is 0.5). Two processes on gloo."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _RANK]
+    ranks = [subprocess.Popen([*command, str(r), str(tmp_path / "init")], stdout=subprocess.PIPE) for r in (0, 1)]
+    outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0]
+    assert [float(out) for out in outputs] == [0.75, 0.75]
