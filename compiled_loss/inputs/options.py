@@ -17,7 +17,7 @@ Tensor = torch.Tensor
 class PrepareOptions:
     """The keyword options of `prepare_loss_input`, checked once when built."""
 
-    parallel: ParallelGroups = ParallelGroups()
+    parallel: ParallelGroups = dataclasses.field(default_factory=ParallelGroups)
     """The tensor-parallel group the vocabulary is sharded over (`tp`) and the context-parallel
     group the positions are sharded over (`cp`)."""
     sampling_params: TrainingSamplingParams | None = None

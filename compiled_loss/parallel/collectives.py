@@ -21,6 +21,10 @@ from compiled_loss.parallel.groups import group_rank, group_size
 
 Tensor = torch.Tensor
 
+# All-gather along dim 0: torch 2.13 names it all_gather_single (all_gather_tensor warns there);
+# torch 2.11 and 2.12 have only all_gather_tensor, the same collective.
+_all_gather_dim0 = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+
 
 def _active(group) -> bool:
     return group is not None and group_size(group) > 1
@@ -50,14 +54,14 @@ def all_gather(x: Tensor, group) -> Tensor:
     """`[world, *x.shape]`: every rank's `x`, in rank order (no gradient)."""
     if not _active(group):
         return x.detach()[None]
-    return fc.wait_tensor(fc.all_gather_single(x.detach()[None].contiguous(), 0, group))
+    return fc.wait_tensor(_all_gather_dim0(x.detach()[None].contiguous(), 0, group))
 
 
 class _GatherContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.rank = group, group_rank(group)
-        return fc.wait_tensor(fc.all_gather_single(x[None].contiguous(), 0, group))
+        return fc.wait_tensor(_all_gather_dim0(x[None].contiguous(), 0, group))
 
     @staticmethod
     def backward(ctx, grad):
