@@ -1,6 +1,6 @@
-"""`compile_loss`: torch.compile for loss code, with the loss configs' floats kept constant,
-and `CompiledModule`, a module called through it (layer 0: the losses compile themselves
-with `compile_loss` when their config asks; `compiled_loss.train` re-exports both);
+"""`compile_loss`: torch.compile for loss code, with the loss configs' floats kept constant
+(layer 0: the losses compile themselves with `compile_loss` when their config asks;
+`compiled_loss.train` re-exports it);
 `save_compile_cache` / `load_compile_cache`: torch's portable compile-cache artifacts and
 Inductor's compiled C++ kernel libraries in one file, so that a fresh process skips what an
 earlier one compiled."""
@@ -64,20 +64,6 @@ def admit_bucket(seen: set[Any], bucket: Any, limit: int, who: str, knob: str) -
             "compiles at most that many: raise it, or coarsen the bucket grid (a larger step, a smaller per_octave)"
         )
     seen.add(bucket)
-
-
-class CompiledModule(torch.nn.Module):
-    """`module` called through `compile_loss`, as a module: for wrappers whose own forward
-    does not trace — `DistributedDataParallel(CompiledModule(model))` runs DDP's bookkeeping
-    eagerly around one compiled graph of the model."""
-
-    def __init__(self, module: torch.nn.Module, **compile_kwargs: Any) -> None:
-        super().__init__()
-        self.module = module
-        self._run = compile_loss(module, **compile_kwargs)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(*args, **kwargs)
 
 
 _MAGIC = b"compiled_loss compile cache 3\n"

@@ -84,11 +84,6 @@ class InputSpec:
     with the gradient in the forward (`compiled_loss.vocab.linear_vocab_gradient`: three
     matmuls, no recompute). False for coupled losses (GSPO's sequence ratios, a filter on the
     current log-probs, sequence sums)."""
-    vocab_sharded: bool = True
-    """The loss reads vocabulary-sharded logits under tensor parallelism, so each TP rank gets
-    its shard's share of the gradient (a partial `dH`; the sum over the group is the
-    gradient). False for a replicated output (a value head): every TP rank gets the whole
-    gradient. The step's gradient scale follows it (`compiled_loss.train.parallel.gradient_scale`)."""
     data: type | None = None
     """The data keys the loss reads, as a `TypedDict` (None: not declared)."""
 

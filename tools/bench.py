@@ -1,6 +1,7 @@
 """`python tools/bench.py`: speed and peak memory of a packed GRPO loss, side by side
 (`python tools/bench.py head --help`: the LM head + loss from hidden states, beside Liger and CCE;
-`python tools/bench.py speculative --help`: speculative sampling against plain decoding).
+`python tools/bench.py speculative --help`: speculative sampling against plain decoding;
+`python tools/bench.py parallel --help`: the runner's training at parallel layouts).
 
 One run measures, per shape (packed logits `[1, T, V]`, `seqs` sequences, dtype) and per
 direction (`fwd`: the forward half of a training step, logits requiring grad, autograd
@@ -719,6 +720,11 @@ def main(argv: list[str] | None = None) -> None:
         import bench_head
 
         bench_head.main(argv[1:])
+        return
+    if argv[:1] == ["parallel"]:  # the runner's training at parallel layouts (tools/bench_parallel.py)
+        import bench_parallel
+
+        bench_parallel.main(argv[1:])
         return
     if argv[:1] == ["speculative"]:  # speculative sampling against plain decoding (tools/bench_speculative.py)
         import bench_speculative

@@ -6,7 +6,12 @@ the warm start is over), the drafter, both optimizers (the warm start's and the 
 the prompt generator's and torch's RNG states, the metrics of the steps so far, the whole
 run config (a plain dict, enums as their values) and a SHA-256 digest of all of it. The
 sampler's randomness is a function of the seed and the step, so it needs no state.
-Every rank holds the whole model, so rank 0 writes the file and every rank reads it.
+The models' and optimizers' states are whole, whatever the layout: in a parallel run every
+rank gathers them from their FSDP2 / tensor-parallel shards with
+`torch.distributed.checkpoint`'s state-dict API (`full_state_dict`), rank 0 writes the file,
+and on resume every rank reads it and takes its own shards of it. A checkpoint thus resumes
+on any parallel layout (`parallel.*` is among the keys a resume may change), one process
+included; the whole state passes through each rank's memory.
 
 A file is written beside its final name, flushed to disk and renamed over it, so a kill
 leaves the previous file whole. A resume refuses, naming `run.resume`, a file it cannot
@@ -28,6 +33,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 if TYPE_CHECKING:
     from compiled_loss.app.loop import Run
@@ -118,23 +130,42 @@ def _digest(state: Any) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(directory: Path, run: Run, step: int, history: list[dict[str, Any]]) -> Path:
-    """Write `directory/step_<step>.pt` atomically (a temporary file in the same directory,
-    fsynced, then `os.replace`d over the name, then the directory fsynced); return its path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step}.pt"
+_WHOLE = StateDictOptions(full_state_dict=True)
+
+
+def _trained(run: Run) -> torch.nn.Module:
+    """The modules the optimizers step, as one (its parameters named `policy.…`, `drafter.…`)."""
+    return torch.nn.ModuleDict({"policy": run.policy} | ({"drafter": run.drafter} if run.drafter is not None else {}))
+
+
+def _optimizer_state(trained: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The optimizer's state, whole; None before its first step (the state-dict API would
+    initialise the state with a step of zero gradients, which counts in AdamW's bias correction)."""
+    return get_optimizer_state_dict(trained, optimizer, options=_WHOLE) if optimizer.state else None
+
+
+def save_checkpoint(directory: Path, run: Run, step: int, history: list[dict[str, Any]], *, write: bool = True):
+    """Gather the run's state whole (a collective in a parallel run: every rank calls it) and,
+    where `write` (rank 0), write `directory/step_<step>.pt` atomically (a temporary file in
+    the same directory, fsynced, then `os.replace`d over the name, then the directory
+    fsynced); return its path (None where not written)."""
+    trained = _trained(run)
     state = {
         "step": step,
         "warm_steps": run.warm_steps,
         "config": _plain(run.cfg),
-        "policy": run.policy.state_dict(),
-        "reference": run.reference.state_dict(),
+        "policy": get_model_state_dict(run.policy, options=_WHOLE),
+        "reference": get_model_state_dict(run.reference, options=_WHOLE),
         "drafter": run.drafter.state_dict() if run.drafter is not None else None,
-        "optimizers": [o.state_dict() for o in run.optimizers],
+        "optimizers": [_optimizer_state(trained, o) for o in run.optimizers],
         "python_rng": run.rollouts.rng.getstate(),
         "torch_rng": torch.get_rng_state(),
         "history": history,
     }
+    if not write:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step}.pt"
     state["digest"] = _digest(state)
     fd, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -231,12 +262,14 @@ def load_checkpoint(path: str, run: Run) -> tuple[int, list[dict[str, Any]], lis
             "run.steps"
         )
     try:
-        run.policy.load_state_dict(state["policy"])
-        run.reference.load_state_dict(state["reference"])
+        set_model_state_dict(run.policy, state["policy"], options=_WHOLE)
+        set_model_state_dict(run.reference, state["reference"], options=_WHOLE)
         if run.drafter is not None:
             run.drafter.load_state_dict(state["drafter"])
+        trained = _trained(run)
         for optimizer, optimizer_state in zip(run.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
+            if optimizer_state is not None:  # None: it had not stepped, as a new one
+                set_optimizer_state_dict(trained, optimizer, optimizer_state, options=_WHOLE)
         version, internal, gauss = state["python_rng"]
         run.rollouts.rng.setstate((version, tuple(internal), gauss))
         torch.set_rng_state(state["torch_rng"])

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from compiled_loss.app.batches import annotate_cross_tokenizer
 from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
@@ -42,7 +43,7 @@ from compiled_loss.draft import DraftRuntimeBase
 from compiled_loss.interfaces import LossFunction
 from compiled_loss.losses import update_reward_shift
 from compiled_loss.train import build_train_step
-from compiled_loss.train.parallel import ParallelGroups, init_parallel
+from compiled_loss.train.parallel import ParallelGroups, init_parallel, shard_model
 from compiled_loss.train.recorder import CompileRecorder
 from compiled_loss.train.step import TrainStep
 
@@ -103,9 +104,9 @@ def train(cfg: Config, output_dir: Path) -> dict[str, Any]:
     reported once) and checkpoints every `run.save_every` steps (the newest `run.keep_last`
     kept); return the summary.
 
-    Under `torchrun` (`parallel.tp · cp · dp` processes) every rank holds the whole model —
-    the LM head returns this rank's vocabulary shard — and the step replicates it with
-    DistributedDataParallel; each data-parallel replica trains on its share of every
+    Under `torchrun` (`parallel.dp · dp_shard · cp · tp` processes) the policy and its
+    reference are sharded with torch.distributed's engine (`compiled_loss.train.shard_model`:
+    FSDP2 and a DTensor TP plan); each data-parallel rank trains on its share of every
     global batch."""
     with deterministic(cfg.run.deterministic):
         return _train(cfg, output_dir)
@@ -130,10 +131,11 @@ class Run:
     step: TrainStep
     rollouts: Rollouts
     warm_steps: int
+    layers_recorder: CompileRecorder | None  # the decoder layers, compiled apart in a parallel run
 
     def recorders(self) -> list[CompileRecorder]:
         """The compile recorders of both steps and the sampler (none where nothing compiles)."""
-        found = [r for s in (self.step, self.warm) for r in (s.recorder, s.model_recorder) if r is not None]
+        found = [r for r in (self.step.recorder, self.warm.recorder, self.layers_recorder) if r is not None]
         samplers = (self.rollouts.sampler, self.rollouts.speculative)
         return found + [s.recorder for s in samplers if s is not None and s.recorder is not None]
 
@@ -165,27 +167,53 @@ class Models:
     teacher: TinyLM | None
     teachers: list[TinyLM] | None
     drafter: DraftRuntimeBase | None
+    layers_recorder: CompileRecorder | None = None
+    """The policy's decoder layers, compiled one by one inside their FSDP units (a parallel run)."""
+    generator: Policy | None = None
+    """What the samplers generate with: the policy itself, or in a parallel run its unsharded
+    copy, which `Rollouts` loads with the policy's gathered weights before each sampling."""
 
     def trained(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizers step: the policy's and the drafter's that take gradients."""
-        return [p for m in (self.policy, self.drafter) if m is not None for p in m.parameters() if p.requires_grad]
+        return trained_parameters(self.policy, self.drafter)
+
+
+def trained_parameters(*models: torch.nn.Module | None) -> list[torch.nn.Parameter]:
+    """The parameters of `models` that take gradients."""
+    return [p for m in models if m is not None for p in m.parameters() if p.requires_grad]
 
 
 def build_models(cfg: Config, groups: ParallelGroups) -> Models:
     """The models of a run (`build_run`) or an audited step (`compiled-loss-audit`),
-    initialised from torch's current seed: the policy (a value head for the value loss; the
-    LM head returns this tensor-parallel rank's vocabulary shard), the reference, the
-    teachers the loss family reads and the drafter (its denominators summed over the
-    data-parallel group)."""
+    initialised from torch's current seed: the policy (a value head for the value loss), the
+    reference, the teachers the loss family reads and the drafter (its denominators summed
+    over the data-parallel group). A parallel run shards the policy and the reference
+    (`shard_model`: FSDP2, the TP plan; the policy's decoder layers compiled inside their
+    FSDP units) and keeps an unsharded copy of the policy to generate with; the teachers and
+    the drafter are replicated."""
     family = loss_family(cfg.loss)
-    policy = policy_model(
-        cfg.model, value_head=family == "value", draft=cfg.draft.name, vocab_shard=(groups.tp_rank, groups.sizes[0])
-    )
+    policy = policy_model(cfg.model, value_head=family == "value", draft=cfg.draft.name)
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
     teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family in ("distillation", "opd_full") else None
     teachers = cross_tokenizer.teacher_models(cfg) if family == "cross_tokenizer" else None
     drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
-    return Models(policy=policy, reference=reference, teacher=teacher, teachers=teachers, drafter=drafter)
+    recorder, generator = None, policy
+    if groups.mesh is not None:
+        generator = copy.deepcopy(policy).requires_grad_(False) if family != "value" else None
+        c = cfg.compile
+        recorder = CompileRecorder(c.backend, "decoder layers", c.mode) if c.enabled else None
+        compile_kwargs = dict(fullgraph=c.fullgraph, dynamic=c.dynamic)
+        shard_model(policy, groups, recorder=recorder, recompile_limit=c.max_buckets, compile_kwargs=compile_kwargs)
+        shard_model(reference, groups)
+    return Models(
+        policy=policy,
+        reference=reference,
+        teacher=teacher,
+        teachers=teachers,
+        drafter=drafter,
+        layers_recorder=recorder,
+        generator=generator,
+    )
 
 
 def build_run(cfg: Config, groups: ParallelGroups) -> Run:
@@ -205,7 +233,15 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
     step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
     warm = build_train_step(dataclasses.replace(cfg, loss=NllLossOption()), policy, warm_optimizer, groups, drafter)
     rollouts = Rollouts(
-        cfg, family, groups, rng, policy=policy, reference=models.reference, teacher=models.teacher, drafter=drafter
+        cfg,
+        family,
+        groups,
+        rng,
+        policy=policy,
+        generator=models.generator,
+        reference=models.reference,
+        teacher=models.teacher,
+        drafter=drafter,
     )
     return Run(
         cfg=cfg,
@@ -221,6 +257,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
         step=step,
         rollouts=rollouts,
         warm_steps=cfg.run.warm_start_steps(family),
+        layers_recorder=models.layers_recorder,
     )
 
 
@@ -318,8 +355,8 @@ def _steps(
     progress: Progress | None,
     cache: dict[str, Any] | None,
 ) -> None:
-    """Train the run's steps after step `done`, appending their records to `history`. Rank 0
-    (the one with a `progress`) writes the checkpoints, logs the progress, hands each
+    """Train the run's steps after step `done`, appending their records to `history`. Every
+    rank gathers the checkpoints' state; rank 0 (the one with a `progress`) writes them, logs the progress, hands each
     record to the `loggers` and, after a step that compiled, writes `run.compile_cache`
     (`cache`: `_load_compile_cache`'s) when it lacks something compiled."""
     family, policy, reference, step, warm, rollouts = (
@@ -368,8 +405,9 @@ def _steps(
             "compiles": step.compiles + warm.compiles + rollouts.compiles,
         }
         history.append(record)
-        if lead and cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):
-            saved.append(save_checkpoint(output_dir / "checkpoints", run, i, history))
+        if cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):  # every rank gathers, rank 0 writes
+            path = save_checkpoint(output_dir / "checkpoints", run, i, history, write=lead)
+            saved += [path] if lead else []
             if cfg.run.keep_last and len(saved) > cfg.run.keep_last:  # the new one is in place
                 saved.pop(0).unlink()
         if not lead:
@@ -385,6 +423,23 @@ def _steps(
             logger.log(i, record)
         shown = (() if warming else _KEY_METRICS.get(family, ())) + _draft_metrics(cfg)
         progress.step(record, step_line(record, total, shown), seconds, compiled=bool(compiled))
+
+
+def _local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor's local shard)."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None)
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def state_bytes(parameters: list[torch.nn.Parameter], optimizers: Any) -> dict[str, int]:
+    """This rank's bytes of the trained parameters, their gradients and the optimizers' state
+    (sharded by FSDP2 and the TP plan in a parallel run)."""
+    optimizer_state = (v for o in optimizers for state in o.state.values() for v in state.values())
+    return {
+        "parameters": _local_bytes(parameters),
+        "gradients": _local_bytes(p.grad for p in parameters),
+        "optimizer": _local_bytes(v for v in optimizer_state if isinstance(v, torch.Tensor) and v.dim() > 0),
+    }
 
 
 def _summary(
@@ -419,6 +474,13 @@ def _summary(
         "compile_cache": cache,
         "sampler_compiles": rollouts.compiles,
         "compile_problems": [p for r in recorders for p in r.report.problems()],
-        "parallel": {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "dp": cfg.parallel.dp, "rank": rank},
+        "parallel": {
+            "tp": cfg.parallel.tp,
+            "cp": cfg.parallel.cp,
+            "dp": cfg.parallel.dp,
+            "dp_shard": cfg.parallel.dp_shard,
+            "rank": rank,
+        },
+        "state_bytes": state_bytes(trained_parameters(run.policy, run.drafter), run.optimizers),
         "output_dir": str(output_dir),
     }

@@ -3,8 +3,11 @@
 Every step draws `data.prompts` task prompts (the same on every rank) and samples
 `data.group_size` responses to each from the policy with the compiled `Sampler` — with
 `run.speculative`, the `SpeculativeSampler` and the co-trained drafter, and then the plain
-sampler again on the same rows, only timed —; a data-parallel replica samples its own
-contiguous share of those rows. Then, per loss family:
+sampler again on the same rows, only timed —; a data-parallel rank samples its own
+contiguous share of those rows. A sharded policy (a parallel run) generates through its
+unsharded copy (`generator`), loaded with the policy's weights gathered whole before each
+sampling: every rank holds the whole policy while it samples, as an RL trainer's
+inference engine does, and the compiled samplers see plain tensors. Then, per loss family:
 
 - `policy_gradient`: the sampled rows, their rewards, GRPO advantages over each group and
   the sampler's log-probs as `generation_logprobs`;
@@ -51,7 +54,7 @@ from compiled_loss.demo.data import Prompts, correct_batch, sampled_batch, score
 from compiled_loss.demo.hf import Policy
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.draft import DraftRuntimeBase
-from compiled_loss.train.parallel import ParallelGroups, all_reduce_host
+from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, gather_weights
 
 Tensor = torch.Tensor
 
@@ -73,16 +76,18 @@ class Rollouts:
         *,
         policy: Policy,
         reference: Policy,
+        generator: Policy | None = None,
         teacher: TinyLM | None = None,
         drafter: DraftRuntimeBase | None = None,
     ) -> None:
         self.cfg, self.family, self.groups, self.rng = cfg, family, groups, rng
         self.policy, self.reference, self.teacher = policy, reference, teacher
+        self.generator = policy if generator is None else generator
         self.rows = cfg.data.prompts * cfg.data.group_size  # of the global batch
         self.local = self.rows // groups.sizes[2]
-        self.sampler = Sampler(cfg, policy, self.local) if family != "value" else None
+        self.sampler = Sampler(cfg, self.generator, self.local) if family != "value" else None
         speculative = cfg.run.speculative and drafter is not None
-        self.speculative = SpeculativeSampler(cfg, policy, drafter, self.local) if speculative else None
+        self.speculative = SpeculativeSampler(cfg, self.generator, drafter, self.local) if speculative else None
         held_out = dataclasses.replace(cfg.data, prompts=_HELD_OUT_PAIRS)
         self.held_out = (
             sample_batch(held_out, cfg.model.vocab_size, random.Random(cfg.run.seed + 1), pairs=True)
@@ -103,6 +108,8 @@ class Rollouts:
         """This replica's share of `prompts` (global rows) sampled, its rewards and the global statistics."""
         seed, slots, share = self.cfg.run.seed, self.sampler.response_len, self._share()
         local = prompts.rows(share)
+        if self.generator is not self.policy:  # the sharded policy's weights, gathered whole (every rank)
+            gather_weights(self.policy, self.generator)
         start = time.perf_counter()
         if self.speculative is None:
             samples = self.sampler(local, sampling_uniforms(seed, step, self.rows, slots)[share], step=step)
@@ -137,7 +144,7 @@ class Rollouts:
         ids, mask = self.held_out["input_ids"], self.held_out["token_mask"]
         ratio = [
             (model_logprobs(m, ids, self.cfg.logprob, filtered=False) * mask).sum(1)
-            for m in (self.policy, self.reference)
+            for m in (self.generator, self.reference)
         ]
         margin = ratio[0] - ratio[1]
         return float((margin[::2] > margin[1::2]).double().mean())
@@ -146,7 +153,7 @@ class Rollouts:
         return rollout(
             batch,
             family,
-            policy=self.policy,
+            policy=self.generator,  # no gradient: the policy's weights as sampled, whole
             reference=self.reference,
             teacher=self.teacher,
             topk=self.cfg.data.teacher_topk,

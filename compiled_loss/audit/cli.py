@@ -406,13 +406,13 @@ def _wrapper_call(logits, data, prepare, layout, per_sequence: bool = False):
 
 def _audit_step(cfg, name: str, configuration: str, seed: int, groups=None) -> list[Drive]:
     """Drive the compiled training step (model forward + loss + backward + optimizer); with
-    parallel `groups` also the model, which then compiles apart (DDP runs around it). The
+    parallel `groups` also the model's decoder layers, which then compile apart (inside FSDP2's units). The
     first error Dynamo raises ends the drive and is the step's `error`."""
     from compiled_loss.app.batches import replica_rows, rollout, sample_batch
     from compiled_loss.app.loop import build_models
     from compiled_loss.config import loss_family
     from compiled_loss.train import build_train_step
-    from compiled_loss.train.parallel import ParallelGroups
+    from compiled_loss.train.parallel import ParallelGroups, gather_weights
 
     groups = groups or ParallelGroups()
     dp = groups.sizes[2]
@@ -429,15 +429,18 @@ def _audit_step(cfg, name: str, configuration: str, seed: int, groups=None) -> l
         models.drafter,
         loss_fn=_loss_fn(cfg),
     )
-    recorders = [(name, step.recorder)] + ([(f"{name} model", step.model_recorder)] if step.model_recorder else [])
+    layers = models.layers_recorder
+    recorders = [(name, step.recorder)] + ([(f"{name} decoder layers", layers)] if layers is not None else [])
     results = [Drive(label, configuration, recorder.report) for label, recorder in recorders]
     warm: list[float] = []
     for i in range(cfg.run.steps):
         batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
+        if models.generator is not None and models.generator is not models.policy:  # as `Rollouts` scores rows
+            gather_weights(models.policy, models.generator)
         batch = rollout(
             replica_rows(batch, dp, groups.dp_rank),
             family,
-            policy=models.policy,
+            policy=models.generator or models.policy,
             reference=models.reference,
             teacher=models.teacher,
             topk=cfg.data.teacher_topk,
@@ -518,7 +521,7 @@ def audit_matrix(configs: list[Configuration], batches: int, steps: int) -> list
 def audit_distributed(configs: list[Configuration], steps: int, sizes: tuple[int, int, int]) -> list[Drive]:
     """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp)
     groups; every rank returns every rank's drives (the step's loss graph, and the model,
-    which compiles apart around DDP), labelled with their rank."""
+    decoder layers, which compile apart inside FSDP2's units), labelled with their rank."""
     import torch.distributed as dist
 
     from compiled_loss.config import ParallelConfig

@@ -69,15 +69,29 @@ class ParallelConfig:
     """Parallel sizes; their product must equal the number of processes (`torchrun`)."""
 
     tp: int = 1
-    """Tensor (vocabulary) parallel size."""
+    """Tensor parallel size: the model's DTensor TP plan (attention heads, MLP, embedding and LM head sharded;
+    the loss reads vocabulary-sharded logits)."""
     cp: int = 1
-    """Context (sequence) parallel size."""
+    """Context (sequence) parallel size: the loss's positions are sharded over it, the parameters with FSDP."""
     dp: int = 1
-    """Data parallel size."""
+    """Data parallel replicas (FSDP2's replicate dimension)."""
+    dp_shard: int = 1
+    """Data parallel shards: FSDP2 shards parameters, gradients and optimizer state over dp_shard × cp; with dp
+    > 1 too the run is HSDP."""
 
     def __post_init__(self) -> None:
         _fields(self, "parallel")
-        _at_least(self, "parallel", 1, "tp", "cp", "dp")
+        _at_least(self, "parallel", 1, "tp", "cp", "dp", "dp_shard")
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that read rows of their own: dp · dp_shard."""
+        return self.dp * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        """The processes the sizes describe: dp · dp_shard · cp · tp."""
+        return self.dp * self.dp_shard * self.cp * self.tp
 
 
 MAX_BUCKETS = 100_000  # the largest compile.max_buckets

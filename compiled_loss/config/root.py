@@ -6,6 +6,8 @@ import dataclasses
 import functools
 from typing import Any
 
+import torch
+
 from compiled_loss.checks import FLOAT32, ConfigError, require
 from compiled_loss.config.drafts import DRAFT_KINDS, NoneDraftOption, check_draft
 from compiled_loss.config.groups import (
@@ -128,7 +130,7 @@ class Config:
             f"logprob.top_k={logprob.top_k} exceeds model.vocab_size={self.model.vocab_size}: a top-k of the whole "
             "vocabulary filters nothing (null disables the filter)",
         )
-        tp, cp, dp = self.parallel.tp, self.parallel.cp, self.parallel.dp
+        tp, cp, dp = self.parallel.tp, self.parallel.cp, self.parallel.data_parallel
         require(
             self.model.vocab_size % tp == 0,
             f"model.vocab_size={self.model.vocab_size} must divide evenly over parallel.tp={tp} vocabulary shards",
@@ -139,14 +141,22 @@ class Config:
             f"(as NeMo-RL's does), got parallel.tp={tp}, parallel.cp={cp}",
         )
         require(
+            not (self.compile.enabled and self.compile.backend == "eager" and (tp, cp) != (1, 1))
+            or torch.__version__ >= "2.12",
+            f"compile.backend=eager with parallel.tp={tp}, parallel.cp={cp} is refused on torch {torch.__version__}: "
+            "torch 2.11's Dynamo drops the gradient of a collective inside an autograd.Function under the eager "
+            "backend (the gradients come out zero, with no error); use compile.backend=aot_eager or inductor",
+        )
+        require(
             self.packing.pad_to_multiple % (2 * cp) == 0,
             f"packing.pad_to_multiple={self.packing.pad_to_multiple} must be a multiple of 2 × parallel.cp = "
             f"{2 * cp} (each sequence is cut into 2·cp context-parallel chunks)",
         )
         require(
             self.data.prompts % dp == 0 and self.run.micro_batches * dp <= units,
-            f"data.prompts={self.data.prompts} must split evenly over parallel.dp={dp} replicas, each with at "
-            f"least run.micro_batches={self.run.micro_batches} {'pairs' if pairs else 'rows'}",
+            f"data.prompts={self.data.prompts} must split evenly over the {dp} data-parallel ranks (parallel.dp × "
+            f"parallel.dp_shard), each with at least run.micro_batches={self.run.micro_batches} "
+            f"{'pairs' if pairs else 'rows'}",
         )
         rows, tokens, batch_keys = self.longest_micro_batch()
         require(
@@ -252,7 +262,8 @@ class Config:
         `run.micro_batches` gives one micro-batch — of the sampled rows (`data.prompts ×
         data.group_size`, the warm start's too) or of DPO's pairs — each as long as the
         longest sequence padded to `packing.pad_to_multiple`."""
-        data, parts, multiple = self.data, self.parallel.dp * self.run.micro_batches, self.packing.pad_to_multiple
+        data, parts = self.data, self.parallel.data_parallel * self.run.micro_batches
+        multiple = self.packing.pad_to_multiple
         rows = -(-data.prompts * data.group_size // parts)
         keys = "data.prompts × data.group_size"
         if loss_family(self.loss) == "dpo" and 2 * -(-data.prompts // parts) > rows:
@@ -262,7 +273,7 @@ class Config:
             rows,
             rows * length,
             (
-                f"{rows} rows ({keys} / parallel.dp / run.micro_batches, rounded up) × {length} "
+                f"{rows} rows ({keys} / parallel.dp / parallel.dp_shard / run.micro_batches, rounded up) × {length} "
                 "tokens (the longest sequence padded to packing.pad_to_multiple)"
             ),
         )

@@ -35,10 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from compiled_loss.checks import ConfigError, require
 from compiled_loss.config import ModelConfig
-from compiled_loss.demo.model import TinyLM
+from compiled_loss.demo.model import TinyLM, fused_head_input, local_part
 from compiled_loss.integrations.hf import head_transform
 from compiled_loss.vocab import LinearLogits
 
@@ -151,15 +153,17 @@ class HFCausalLM(nn.Module):
     causal LM (see the module docstring); with `linear_logits=True` the logits as
     `LinearLogits` (the final norm's output, `lm_head`'s weight and bias), never formed.
 
-    `vocab_shard=(r, n)`: the LM head returns vocabulary shard `r` of `n`, `[R, L, V / n]`
-    (tensor parallelism for the loss; the weights stay whole), unless `full_vocab=True`.
-    Generation (`prefill`, `decode`) always returns full-vocabulary logits.
+    Tensor parallel (`compiled_loss.train.shard_model` with `tp_plan()`): the logits are a
+    DTensor sharded on the vocabulary (`Shard(-1)`), with `linear_logits=True` the head's
+    weight and bias are this rank's vocabulary rows, and `full_vocab=True` returns the whole
+    logits as a plain tensor. Generation (`prefill`, `decode`) always returns
+    full-vocabulary logits.
 
     Dropout is off in every mode (`train`). Under a meta default device
     (`torch.device("meta")`) the model is built from the checkpoint's config without
     reading its weights (a parameter count)."""
 
-    def __init__(self, cfg: ModelConfig, vocab_shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         transformers = _transformers()
         config = hf_config(cfg)
@@ -169,7 +173,6 @@ class HFCausalLM(nn.Module):
             self.lm = auto.from_pretrained(cfg.hf_path, dtype=dtype, attn_implementation="sdpa", local_files_only=True)
         else:
             self.lm = auto.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        self.vocab_shard = vocab_shard
         self.head_transform = head_transform(self.lm.config)  # the model's own logits: scaling, softcap
         self._cache = transformers.DynamicCache  # the generation cache (resolved here: Dynamo traces no import)
         self.train()
@@ -193,16 +196,42 @@ class HFCausalLM(nn.Module):
         )
         return out.last_hidden_state
 
-    def _head(self, full_vocab: bool = False) -> tuple[Tensor, Tensor | None]:
-        """`lm_head`'s weight and bias (None without one): this rank's vocabulary shard unless `full_vocab`."""
-        head = self.lm.get_output_embeddings()
-        weight, bias = head.weight, head.bias
-        rank, shards = self.vocab_shard
-        if shards > 1 and not full_vocab:
-            rows = weight.shape[0] // shards
-            weight = weight[rank * rows : (rank + 1) * rows]
-            bias = None if bias is None else bias[rank * rows : (rank + 1) * rows]
-        return weight, bias
+    def _logits(self, hidden: Tensor, full_vocab: bool = True) -> Tensor:
+        """The model's logits from its last hidden state: the whole vocabulary as a plain
+        tensor (gathered under tensor parallelism) unless `full_vocab=False`."""
+        logits = self.head_transform.dense(self.lm.get_output_embeddings()(hidden))
+        return logits.full_tensor() if full_vocab and isinstance(logits, DTensor) else logits
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers FSDP shards (and compiles) one by one."""
+        return list(self.lm.base_model.layers)
+
+    def tp_plan(self) -> dict[str, ParallelStyle]:
+        """The DTensor tensor-parallel plan (`parallelize_module`) of a Llama-shaped decoder
+        (q/k/v/o projections, a gated or plain MLP; transformers' own module names): the
+        projections and the MLP column-/row-wise, the token embedding on its vocabulary rows,
+        `lm_head`'s output sharded on the vocabulary as a DTensor (`Shard(-1)`). A model
+        whose modules are not those is refused, naming its type."""
+        base = self.lm.base_model_prefix
+        colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+        rowwise = ("self_attn.o_proj", "mlp.down_proj")
+        names = dict(self.lm.named_modules())
+        plan: dict[str, ParallelStyle] = {
+            f"{base}.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+        for i in range(len(self.decoder_layers())):
+            layer = f"{base}.layers.{i}"
+            plan.update({f"{layer}.{n}": ColwiseParallel() for n in colwise if f"{layer}.{n}" in names})
+            plan.update({f"{layer}.{n}": RowwiseParallel() for n in rowwise})
+        missing = sorted({name.split(".", 3)[-1] for name in plan if name not in names})
+        require(
+            not missing and f"{base}.layers.0.mlp.up_proj" in names,
+            f"model_type {self.lm.config.model_type!r} at parallel.tp > 1: its modules are not a Llama-shaped "
+            f"decoder's (missing {missing or ['mlp.up_proj']}); the tensor-parallel plan covers q/k/v/o_proj, "
+            "mlp.gate/up/down_proj, embed_tokens and lm_head",
+        )
+        return {f"lm.{name}": style for name, style in plan.items()}
 
     def forward(
         self,
@@ -216,10 +245,12 @@ class HFCausalLM(nn.Module):
         index = torch.arange(length, device=input_ids.device)
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (index[None, :] <= index[:, None])
         hidden = self._hidden(input_ids, position_ids, mask[:, None])
-        weight, bias = self._head(full_vocab)
         if linear_logits:
-            return self.head_transform.linear(hidden, weight, bias)
-        return self.head_transform.dense(F.linear(hidden, weight, bias))
+            head = self.lm.get_output_embeddings()
+            bias = None if head.bias is None else local_part(head.bias)
+            hidden = fused_head_input(hidden, head.weight)
+            return self.head_transform.linear(hidden, local_part(head.weight), bias)
+        return self._logits(hidden, full_vocab)
 
     def prefill(self, input_ids: Tensor, lengths: Tensor, cache_len: int) -> tuple[Tensor, Tensor]:
         """Prompts `input_ids [R, P]` (row `r`'s first `lengths[r]` tokens; the rest is
@@ -232,8 +263,7 @@ class HFCausalLM(nn.Module):
         hidden = self._hidden(input_ids, index.expand(rows, width), mask, cache)
         last = hidden.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         slots = torch.stack([torch.stack([layer.keys, layer.values]) for layer in cache.layers])
-        logits = self.head_transform.dense(F.linear(last, *self._head(full_vocab=True)))
-        return logits, F.pad(slots, (0, 0, 0, cache_len - width))
+        return self._logits(last), F.pad(slots, (0, 0, 0, cache_len - width))
 
     def decode(self, tokens: Tensor, positions: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
         """One token per row (`tokens`, `positions` `[R]`) over the cache of `prefill`: its
@@ -246,22 +276,19 @@ class HFCausalLM(nn.Module):
         hidden = self._hidden(tokens[:, None], positions[:, None], mask, past)
         new = torch.stack([torch.stack([layer.keys[..., -1:, :], layer.values[..., -1:, :]]) for layer in past.layers])
         write = (slots[None, :] == positions[:, None])[:, None, :, None]
-        logits = self.head_transform.dense(F.linear(hidden[:, 0], *self._head(full_vocab=True)))
-        return logits, torch.where(write, new, cache)
+        return self._logits(hidden[:, 0]), torch.where(write, new, cache)
 
 
 Policy = TinyLM | HFCausalLM
 """What the runner trains: `forward`, `prefill` and `decode` as `TinyLM` defines them."""
 
 
-def policy_model(
-    cfg: ModelConfig, *, value_head: bool = False, draft: str = "none", vocab_shard: tuple[int, int] = (0, 1)
-) -> Policy:
+def policy_model(cfg: ModelConfig, *, value_head: bool = False, draft: str = "none") -> Policy:
     """The run's policy: `TinyLM` (`model.architecture=tiny`; a value head for `value_head`)
     or `HFCausalLM` (`model.architecture=hf`, which refuses a value head and a drafter:
     `draft` is the run's `draft` option)."""
     if cfg.architecture == "tiny":
-        return TinyLM(cfg, value_head=value_head, vocab_shard=vocab_shard)
+        return TinyLM(cfg, value_head=value_head)
     require(
         not value_head,
         "model.architecture=hf: loss=mse_value trains a value head, which only model.architecture=tiny builds",
@@ -271,4 +298,4 @@ def policy_model(
         f"model.architecture=hf: draft={draft} co-trains a drafter on the policy's token embedding and hidden "
         "states, which only model.architecture=tiny returns; use draft=none",
     )
-    return HFCausalLM(cfg, vocab_shard=vocab_shard)
+    return HFCausalLM(cfg)

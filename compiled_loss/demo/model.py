@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from compiled_loss.config import ModelConfig
 from compiled_loss.draft.runtime import aux_hidden_states
@@ -19,32 +21,56 @@ from compiled_loss.vocab import LinearLogits
 Tensor = torch.Tensor
 
 
+def local_part(x: Tensor) -> Tensor:
+    """A DTensor parameter's local shard (differentiable); a plain tensor as it is."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def fused_head_input(hidden: Tensor, weight: Tensor) -> Tensor:
+    """The hidden states the fused LM head (`LinearLogits`) reads: under tensor parallelism
+    (a DTensor `weight`, this rank's vocabulary rows) replicated over the TP ranks, whose
+    partial gradients (each shard's share of dH) are summed in the backward (Megatron's
+    copy-to-region; the TP plan's column-wise head does the same for the dense logits)."""
+    if not isinstance(weight, DTensor):
+        return hidden
+    mesh = weight.device_mesh
+    return DTensor.from_local(hidden, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.heads = cfg.num_heads
+        self.head_dim = h // cfg.num_heads
         self.norm1 = nn.RMSNorm(h)
-        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.q = nn.Linear(h, h, bias=False)
+        self.k = nn.Linear(h, h, bias=False)
+        self.v = nn.Linear(h, h, bias=False)
         self.proj = nn.Linear(h, h, bias=False)
         self.norm2 = nn.RMSNorm(h)
         self.up = nn.Linear(h, cfg.mlp_ratio * h, bias=False)
         self.down = nn.Linear(cfg.mlp_ratio * h, h, bias=False)
 
-    def forward(
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        """`x [R, L, H]`, `mask` broadcastable to `[R, heads, L, L]` → the block's output (the
+        training forward: what FSDP2 runs as the block's unit)."""
+        return self.attend(x, mask)[0]
+
+    def attend(
         self, x: Tensor, mask: Tensor, cache: Tensor | None = None, slots: Tensor | None = None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """`x [R, L, H]`, `mask` broadcastable to `[R, heads, L, keys]` → the block's output
         and the keys and values attention read (`[R, heads, keys, H / heads]` each). With a
         `cache` (`[2, R, heads, C, H / heads]`) this call's keys and values go to the cache
-        slots `slots [R, L]`, and attention reads the whole cache."""
-        rows, length, hidden = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(rows, length, 3, self.heads, -1).transpose(1, 3).unbind(2)
+        slots `slots [R, L]`, and attention reads the whole cache (generation)."""
+        rows, length, _ = x.shape
+        y = self.norm1(x)  # heads: all of them, or this rank's under tensor parallelism
+        q, k, v = (m(y).view(rows, length, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
         if cache is not None:
             index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
             k, v = cache[0].scatter(2, index, k), cache[1].scatter(2, index, v)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.proj(attn.transpose(1, 2).reshape(rows, length, hidden))
+        x = x + self.proj(attn.transpose(1, 2).reshape(rows, length, -1))
         return x + self.down(F.gelu(self.up(self.norm2(x)))), (k, v)
 
 
@@ -54,14 +80,15 @@ class TinyLM(nn.Module):
     hidden states after the embedding and after each block; with `linear_logits=True` the
     logits as `LinearLogits` (the final hidden states and the LM head), never formed.
 
-    `vocab_shard=(r, n)`: the LM head returns vocabulary shard `r` of `n`, `[R, L, V / n]`
-    (tensor parallelism for the loss; the weights stay whole), unless `full_vocab=True`.
+    Tensor parallel (`compiled_loss.train.shard_model` with `tp_plan()`): the logits are a
+    DTensor sharded on the vocabulary (`Shard(-1)`), and with `linear_logits=True` the head's
+    weight is this rank's vocabulary rows; `full_vocab=True` returns the whole logits as a
+    plain tensor. Generation (`prefill`, `extend`, `decode`) always returns full-vocabulary
+    logits."""
 
-    Generation (`prefill`, `decode`) always returns full-vocabulary logits."""
-
-    def __init__(self, cfg: ModelConfig, value_head: bool = False, vocab_shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, cfg: ModelConfig, value_head: bool = False) -> None:
         super().__init__()
-        self.cfg, self.vocab_shard = cfg, (0, 1) if value_head else vocab_shard
+        self.cfg, self.value_head = cfg, value_head
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
@@ -86,17 +113,35 @@ class TinyLM(nn.Module):
         x = self.embed(input_ids) + self.pos(position_ids)
         hidden = [x]
         for block in self.blocks:
-            x, _ = block(x, mask[:, None])
+            x = block(x, mask[:, None])
             hidden.append(x)
-        weight = self.head.weight
-        rank, shards = self.vocab_shard
-        if shards > 1 and not full_vocab:
-            rows = weight.shape[0] // shards
-            weight = weight[rank * rows : (rank + 1) * rows]
         if linear_logits:
-            return LinearLogits(self.norm(x), weight)
-        logits = F.linear(self.norm(x), weight)
+            weight = self.head.weight
+            return LinearLogits(fused_head_input(self.norm(x), weight), local_part(weight))
+        logits = self._logits(self.norm(x)) if full_vocab else self.head(self.norm(x))
         return (logits, hidden) if return_hidden else logits
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """The LM head over the whole vocabulary, a plain tensor (gathered under tensor parallelism)."""
+        logits = self.head(x)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The blocks FSDP shards (and compiles) one by one."""
+        return list(self.blocks)
+
+    def tp_plan(self) -> dict[str, ParallelStyle]:
+        """The DTensor tensor-parallel plan (`parallelize_module`): attention heads and the
+        MLP column-/row-wise, the token and position embeddings on their rows, the LM head's
+        output sharded on the vocabulary as a DTensor (`Shard(-1)`; a value head stays
+        replicated). The norms are replicated."""
+        plan: dict[str, ParallelStyle] = {name: RowwiseParallel(input_layouts=Replicate()) for name in ("embed", "pos")}
+        if not self.value_head:
+            plan["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        for i in range(len(self.blocks)):
+            plan.update({f"blocks.{i}.{name}": ColwiseParallel() for name in ("q", "k", "v", "up")})
+            plan.update({f"blocks.{i}.{name}": RowwiseParallel() for name in ("proj", "down")})
+        return plan
 
     def prefill(
         self, input_ids: Tensor, lengths: Tensor, cache_len: int, aux_layers: tuple[int, ...] = ()
@@ -112,11 +157,11 @@ class TinyLM(nn.Module):
         mask = (index[None, :] <= index[:, None])[None, None]
         caches, hidden = [], [x]
         for block in self.blocks:
-            x, keys_values = block(x, mask)
+            x, keys_values = block.attend(x, mask)
             caches.append(F.pad(torch.stack(keys_values), (0, 0, 0, cache_len - width)))
             hidden.append(x)
         last = x.gather(1, (lengths - 1)[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
-        out = F.linear(self.norm(last), self.head.weight), torch.stack(caches)
+        out = self._logits(self.norm(last)), torch.stack(caches)
         return out + (aux_hidden_states(hidden, aux_layers),) if aux_layers else out
 
     def extend(
@@ -131,10 +176,10 @@ class TinyLM(nn.Module):
         x = self.embed(tokens) + self.pos(slot)
         caches, hidden = [], [x]
         for block, layer_cache in zip(self.blocks, cache.unbind(0)):
-            x, keys_values = block(x, mask, layer_cache, slot)
+            x, keys_values = block.attend(x, mask, layer_cache, slot)
             caches.append(torch.stack(keys_values))
             hidden.append(x)
-        out = F.linear(self.norm(x), self.head.weight), torch.stack(caches)
+        out = self._logits(self.norm(x)), torch.stack(caches)
         return out + (aux_hidden_states(hidden, aux_layers),) if aux_layers else out
 
     def decode(self, tokens: Tensor, positions: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:

@@ -59,7 +59,7 @@ class MseValueLossFn:
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGIT
     # per-position values: every tensor-parallel rank holds them whole
-    input_spec = InputSpec(LossInputType.LOGIT, vocab_sharded=False, data=MseValueLossData)
+    input_spec = InputSpec(LossInputType.LOGIT, data=MseValueLossData)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cfg", as_config(self.cfg, MseValueLossConfig, "MseValueLossFn"))

@@ -34,7 +34,7 @@ class ParallelGroups:
     primitive reduces over, `cp` the context group the token view shards positions over,
     `dp` the group the normalisers and metrics are summed over (every rank that reads rows of
     its own: the replicas and the FSDP shards together). `mesh`: the run's `DeviceMesh`
-    (dimensions `dp`, `dp_shard`, `cp`, `tp`) the model is sharded on; None for a single
+    (dimensions `dp`, `dp_shard_cp`, `tp`) the model is sharded on; None for a single
     process or for groups that do not come from a training run's mesh."""
 
     tp: Any = None

@@ -2,19 +2,18 @@
 compile recorder the step and the audit report with.
 
 - `step`: `build_train_step`, `TrainStep`, `StepOptions`, `StepResult`;
-- `compile_loss`, `CompiledModule` (defined in `compiled_loss.compile`);
+- `compile_loss` (defined in `compiled_loss.compile`);
 - `recorder`: `CompileRecorder` (graphs, graph breaks, in-graph host syncs, recompiles,
   frames that fell back to eager).
 """
 
-from compiled_loss.compile import CompiledModule, compile_loss
+from compiled_loss.compile import compile_loss
 from compiled_loss.train.recorder import CompileRecorder, CompileReport
 from compiled_loss.train.step import StepOptions, StepResult, TrainStep, build_train_step
 
 __all__ = [
     "CompileRecorder",
     "CompileReport",
-    "CompiledModule",
     "StepOptions",
     "StepResult",
     "TrainStep",

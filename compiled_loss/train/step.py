@@ -23,13 +23,13 @@ dicts of `[B, S]` tensors with the loss's keys plus `input_lengths` `[B]`. With
 from them chunk by chunk, and no `[T, V]` logits exist.
 
 Parallel runs (`groups`, see `compiled_loss.train.parallel`): the batch is this
-data-parallel replica's rows; the model returns every position's logits for this rank's
-vocabulary shard (`[..., V / tp]`) and the step keeps this context-parallel rank's
-positions. The step replicates the model over all ranks with `DistributedDataParallel`,
-whose averaged gradients the loss scale (`train.parallel.gradient_scale`: `tp · dp` for a
-loss over vocabulary-sharded logits, `dp` for a value head) turns into the single-process
-gradient; DDP's forward does not trace, so it runs eagerly around the compiled model
-(`CompiledModule`) and the loss compiles as a graph of its own.
+data-parallel rank's rows, and the model is sharded with torch.distributed's engine
+(`compiled_loss.train.shard_model`: FSDP2 over `dp × dp_shard · cp`, a DTensor TP plan over
+`tp`). Its logits are a DTensor sharded on the vocabulary, unwrapped once to this rank's
+local shard before the loss; the step keeps this context-parallel rank's positions. FSDP2's
+hooks do not trace, so the model runs eagerly around its compiled decoder layers and the
+loss compiles as a graph of its own; the loss scale (`train.parallel.gradient_scale`:
+`dp · dp_shard`) turns FSDP2's averaged gradients into the single-process gradient.
 
 Co-trained drafter (`draft_runtime`): the model also returns its hidden states
 (`forward(..., return_hidden=True) -> (logits, [after the embedding, after layer 0, …])`);
@@ -39,7 +39,7 @@ host from `anchor_seed(dp_rank, global batch, micro-batch)` (the same noise for 
 every packing mode and on every TP / CP peer), and adds `loss_weight × draft loss` in the
 same compiled graph. In parallel runs every rank of a replica computes the same draft loss
 on the full sequences (the TP teacher shards all-gathered to the full vocabulary; the
-runtime's denominators summed over DP), and the drafter — replicated outside DDP — has its
+runtime's denominators summed over DP), and the drafter — replicated, outside FSDP — has its
 gradients summed over the ranks after the backward. The drafter's gradients are clipped on
 their own.
 """
@@ -53,8 +53,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from compiled_loss.compile import CompiledModule, admit_bucket, compile_loss
+from compiled_loss.compile import admit_bucket, compile_loss
 from compiled_loss.config import CompileConfig, Config, PackingMode
 from compiled_loss.draft import (
     DraftBatch,
@@ -71,7 +73,13 @@ from compiled_loss.packing import BucketGrid, PackedLayout, micro_batch_loss, pa
 from compiled_loss.packing.context import ContextShards
 from compiled_loss.parallel import check_agreement, group_size
 from compiled_loss.parallel.collectives import all_gather
-from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, combine_over, gradient_scale
+from compiled_loss.train.parallel import (
+    ParallelGroups,
+    all_reduce_host,
+    clip_grad_norm,
+    combine_over,
+    gradient_scale,
+)
 from compiled_loss.train.recorder import CompileRecorder
 from compiled_loss.vocab import TrainingSamplingParams, per_position
 
@@ -86,9 +94,12 @@ def _captured(
     and the auxiliary layers' outputs, detached."""
     if aux_layers is None:
         return (
-            model(ids, positions, segments, linear_logits=True) if linear_logits else model(ids, positions, segments)
+            model(ids, positions, segments, linear_logits=True)
+            if linear_logits
+            else _local(model(ids, positions, segments))
         ), None
     logits, hidden = model(ids, positions, segments, return_hidden=True)
+    logits = _local(logits)
     batch = DraftBatch(
         input_ids=ids,
         hidden_states=aux_hidden_states(hidden, aux_layers),
@@ -99,6 +110,12 @@ def _captured(
         anchor_noise=noise,
     )
     return logits, batch
+
+
+def _local(logits: Tensor) -> Tensor:
+    """The model's logits as this rank's vocabulary shard: a tensor-parallel model's DTensor
+    (`Shard(-1)`) unwrapped to its local part (its gradient flows back into the DTensor)."""
+    return logits.to_local() if isinstance(logits, DTensor) else logits
 
 
 def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_logits=False, aux_layers=None):
@@ -300,7 +317,7 @@ class TrainStep:
         capture = dict(aux_layers=draft_runtime.aux_layers) if draft_runtime is not None else {}
         capture["linear_logits"] = options.linear_logits
         spec = InputSpec.of(loss_fn)
-        self.loss_scale = gradient_scale(groups.sizes, vocab_sharded=spec.vocab_sharded)
+        self.loss_scale = gradient_scale(groups.sizes)
         self.pairs = spec.pairs
         self.buckets: set[tuple[int, ...]] = set()
         self._check_bucket_bound()
@@ -316,9 +333,15 @@ class TrainStep:
             per_sequence=options.packing == PackingMode.per_sequence,
             parallel=groups,
         )
-        # Parallel runs replicate the model with DistributedDataParallel, whose forward does
-        # not trace: DDP runs eagerly around the compiled model, and the loss compiles alone
+        # Parallel runs shard the model with FSDP2 (`shard_model`), whose hooks do not trace:
+        # the model runs eagerly around its compiled decoder layers, and the loss compiles alone
         self._model_outside = groups.rank_count > 1
+        if self._model_outside and not isinstance(model, FSDPModule):
+            raise ValueError(
+                f"TrainStep: a run of {groups.rank_count} processes trains a model sharded with FSDP2 "
+                "(compiled_loss.train.shard_model(model, groups), or your own fully_shard), got an unsharded "
+                f"{type(model).__name__}"
+            )
         draft = None if draft_runtime is None else functools.partial(_with_draft, runtime=draft_runtime, tp=groups.tp)
         if not self._model_outside:
             fn = functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss, draft=draft)
@@ -326,16 +349,11 @@ class TrainStep:
             fn = loss if draft is None else functools.partial(_loss_and_draft, loss_fn=loss, draft=draft)
         c = options.compile
         self.recorder = CompileRecorder(c.backend, "train step", c.mode) if c.enabled else None
-        self.model_recorder = CompileRecorder(c.backend, "model", c.mode) if c.enabled and self._model_outside else None
         # one graph per bucket: Dynamo's recompile limit covers compile.max_buckets, which the
         # step holds its distinct buckets to (`_admit`)
         kwargs = dict(fullgraph=c.fullgraph, dynamic=c.dynamic, recompile_limit=c.max_buckets)
         if self.recorder is not None:
             fn = compile_loss(fn, recorder=self.recorder, **kwargs)
-        if self._model_outside:
-            if self.model_recorder is not None:
-                model = CompiledModule(model, recorder=self.model_recorder, **kwargs)
-            self.model = torch.nn.parallel.DistributedDataParallel(model)
         self._compiled = fn
 
     def _check_bucket_bound(self) -> None:
@@ -367,8 +385,8 @@ class TrainStep:
         return self.recorder.report.compiles if self.recorder else 0
 
     def compile_problems(self) -> list[str]:
-        """Graph breaks, in-graph host syncs and eager fallbacks of every compiled region."""
-        return [p for r in (self.recorder, self.model_recorder) if r is not None for p in r.report.problems()]
+        """Graph breaks, in-graph host syncs and eager fallbacks of the step's compiled graph."""
+        return self.recorder.report.problems() if self.recorder is not None else []
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -391,7 +409,7 @@ class TrainStep:
             raise ValueError("the batch has no rows (input_lengths is empty)")
         # a batch of fewer rows (pairs) than run.micro_batches runs fewer micro-batches
         ranges = split_rows(len(lengths), self.options.micro_batches, 2 if self.pairs else 1)
-        # every rank runs a collective per micro-batch (DDP's gradient all-reduce, the
+        # every rank runs a collective per micro-batch (FSDP2's gradient reduction, the
         # wrappers' TP / CP collectives), and the TP / CP ranks of a replica read the same rows
         check_agreement(
             "the number of micro-batches (rows of the batch split over run.micro_batches)",
@@ -435,7 +453,7 @@ class TrainStep:
         step_wide: dict[str, Tensor] = {}
         clip = self.options.grad_clip
         if clip is not None:  # the drafter's parameters are clipped on their own
-            step_wide["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            step_wide["grad_norm"] = clip_grad_norm(self.model.parameters(), clip)
             if self.draft_runtime is not None:
                 step_wide["draft_grad_norm"] = torch.nn.utils.clip_grad_norm_(self.draft_runtime.parameters(), clip)
         self.optimizer.step()
@@ -449,7 +467,7 @@ class TrainStep:
 
     @torch.no_grad()
     def _sync_drafter_grads(self) -> None:
-        """The drafter is replicated on every rank outside DDP: each TP / CP rank of a replica
+        """The drafter is replicated on every rank outside FSDP: each TP / CP rank of a replica
         holds `loss_scale ×` its replica's gradient, so the sum over all ranks divided by
         `loss_scale · tp · cp` is the sum over the replicas — the single-process gradient."""
         tp, cp, _ = self.groups.sizes

@@ -367,9 +367,9 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint_whole(tmp_path, mon
 def test_keep_last_deletes_older_checkpoints_once_the_new_one_is_in_place(tmp_path, monkeypatch):
     present = []  # the files present as each checkpoint is written
 
-    def recording(directory, run, step, history):
+    def recording(directory, run, step, history, write):
         present.append(sorted(p.name for p in directory.glob("step_*.pt")))
-        return save_checkpoint(directory, run, step, history)
+        return save_checkpoint(directory, run, step, history, write=write)
 
     monkeypatch.setattr(loop, "save_checkpoint", recording)
     _train(tmp_path, "run.sft_steps=1", "run.steps=4", "run.save_every=1", "run.keep_last=2")

@@ -180,7 +180,7 @@ class TestStartupErrors(TestCase):
         )
         self.assertExpectedInline(
             error("parallel.dp=3"),
-            """data.prompts=8 must split evenly over parallel.dp=3 replicas, each with at least run.micro_batches=2 rows""",
+            """data.prompts=8 must split evenly over the 3 data-parallel ranks (parallel.dp × parallel.dp_shard), each with at least run.micro_batches=2 rows""",
         )
 
     def test_compile_backend(self):
@@ -453,7 +453,7 @@ class TestBounds(TestCase):
         )
         self.assertExpectedInline(
             error("loss=mpo", "loss.reward_shift=3e38"),
-            """loss.reward_shift=3e+38: the BCO term sums about |reward_shift| per row of a micro-batch in float32, which overflows for the 64 rows of the longest one (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)); |loss.reward_shift| must be <= 5.317e+36""",
+            """loss.reward_shift=3e+38: the BCO term sums about |reward_shift| per row of a micro-batch in float32, which overflows for the 64 rows of the longest one (64 rows (data.prompts × data.group_size / parallel.dp / parallel.dp_shard / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)); |loss.reward_shift| must be <= 5.317e+36""",
         )
 
     def test_a_temperature_whose_reciprocal_overflows_the_gradient(self):
@@ -523,7 +523,7 @@ class TestBounds(TestCase):
     def test_sizes_against_the_data(self):
         self.assertExpectedInline(
             error("draft=dflash", "draft.num_anchors=1000000000000"),
-            """draft.num_anchors=1000000000000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): anchors are positions of one micro-batch""",
+            """draft.num_anchors=1000000000000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / parallel.dp_shard / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): anchors are positions of one micro-batch""",
         )
         self.assertExpectedInline(
             error("draft=eagle3", "draft.ttt_steps=100000", "draft.ttt_step_loss_decay=1"),
@@ -551,7 +551,7 @@ class TestBounds(TestCase):
         )
         self.assertExpectedInline(
             error("packing.per_octave=10000"),
-            """packing.per_octave=10000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): with as many buckets per octave as the sizes it splits, the grid is the plain one (packing.per_octave=0)""",
+            """packing.per_octave=10000 exceeds 7168, the tokens of the longest micro-batch (64 rows (data.prompts × data.group_size / parallel.dp / parallel.dp_shard / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple)): with as many buckets per octave as the sizes it splits, the grid is the plain one (packing.per_octave=0)""",
         )
         self.assertExpectedInline(
             error("run.log_every=1000"),
@@ -566,15 +566,15 @@ class TestBounds(TestCase):
         with unittest.mock.patch("compiled_loss.app.store.memory_bytes", return_value=2**30):
             self.assertExpectedInline(
                 error("model.hidden_size=2048"),
-                """the run needs at least 3.02 GiB of memory, this machine has 1 GiB: the policy's weights, gradients, reference and AdamW moments (111,159,296 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 2.9 GiB; the longest micro-batch's attention mask (1 × 8192² bools: its tokens rounded up to packing.tokens): 0.0625 GiB; the longest micro-batch's float32 logits (8192 slots × model.vocab_size): 0.0625 GiB; the longest micro-batch's token ids (64 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 6.1e-05 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""",
+                """the run needs at least 3.02 GiB of memory, this machine has 1 GiB: the policy's weights, gradients, reference and AdamW moments (111,159,296 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 2.9 GiB; the longest micro-batch's attention mask (1 × 8192² bools: its tokens rounded up to packing.tokens): 0.0625 GiB; the longest micro-batch's float32 logits (8192 slots × model.vocab_size): 0.0625 GiB; the longest micro-batch's token ids (64 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 6.1e-05 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / parallel.dp_shard / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""",
             )
             self.assertExpectedInline(
                 error("packing=none", "packing.rows=100000"),
-                """the run needs at least 99.3 GiB of memory, this machine has 1 GiB: the longest micro-batch's float32 logits (12800000 slots × model.vocab_size): 97.7 GiB; the longest micro-batch's attention mask (100000 × 128² bools): 1.53 GiB; the longest micro-batch's token ids (100000 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 0.0954 GiB; the policy's weights, gradients, reference and AdamW moments (1,049,216 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 0.0274 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""",
+                """the run needs at least 99.3 GiB of memory, this machine has 1 GiB: the longest micro-batch's float32 logits (12800000 slots × model.vocab_size): 97.7 GiB; the longest micro-batch's attention mask (100000 × 128² bools): 1.53 GiB; the longest micro-batch's token ids (100000 × 128 int64: its rows rounded up to packing.rows, its longest sequence to packing.width): 0.0954 GiB; the policy's weights, gradients, reference and AdamW moments (1,049,216 parameters of model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions × 7): 0.0274 GiB (the longest micro-batch: 64 rows (data.prompts × data.group_size / parallel.dp / parallel.dp_shard / run.micro_batches, rounded up) × 112 tokens (the longest sequence padded to packing.pad_to_multiple))""",
             )
         self.assertExpectedInline(
             error("model.hidden_size=1000000000000"),
-            """model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions: a weight would have more elements than an int64 counts (Storage size calculation overflowed with sizes=[3000000000000, 1000000000000])""",
+            """model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions: a weight would have more elements than an int64 counts (Storage size calculation overflowed with sizes=[1000000000000, 1000000000000])""",
         )
 
     def test_seed_and_steps_against_the_sampler(self):

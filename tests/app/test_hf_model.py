@@ -89,19 +89,6 @@ def test_linear_logits_are_the_dense_logits_factors():
     torch.testing.assert_close(F.linear(factors.hidden, factors.weight, factors.bias), dense, rtol=0, atol=0)
 
 
-def test_a_vocabulary_shard_is_a_slice_of_the_logits():
-    torch.manual_seed(0)
-    model = _model()
-    shard = HFCausalLM(ModelConfig(**SIZES), vocab_shard=(1, 2))
-    shard.load_state_dict(model.state_dict())
-    ids = _ids(2, 6)
-    args = (ids, torch.arange(6).expand(2, 6), torch.zeros_like(ids))
-    full = model(*args)
-    torch.testing.assert_close(shard(*args), full[..., 16:], rtol=0, atol=0)
-    torch.testing.assert_close(shard(*args, full_vocab=True), full, rtol=0, atol=0)
-    assert shard(*args, linear_logits=True).weight.shape == (16, SIZES["hidden_size"])
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_prefill_and_decode_give_the_forwards_next_token_logits(model_type):
     """Right-padded prompts of different lengths, then three decoding steps at each row's

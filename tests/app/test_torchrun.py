@@ -1,5 +1,7 @@
-"""The runner under torchrun (gloo on CPU): with the same seed, the first step's loss and
-metrics equal the single-process run's (fp32, aot_eager) at tp=2 cp=2 and at dp=2 — with a
+"""The runner under torchrun (gloo on CPU), the model sharded with FSDP2 and the TP plan: with
+the same seed, the first step's loss, metrics and grad norm equal the single-process run's
+(fp32, aot_eager) at tp=2 cp=2, dp=2, dp_shard=2 and tp=2 dp_shard=2, each rank holding at
+most its share of the parameters, gradients and optimizer state — with a
 co-trained drafter (traced by Dynamo's eager backend), both steps' draft metrics and drafter
 gradient norms too, and with EAGLE-3 sampling speculatively at dp=2 its acceptance length;
 every rank reports zero graph breaks, syncs and eager fallbacks and compiles no more than
@@ -57,18 +59,38 @@ def single(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single"))
 
 
-@pytest.mark.parametrize("sizes", [("parallel.tp=2", "parallel.cp=2"), ("parallel.dp=2",)], ids=["tp2cp2", "dp2"])
-def test_first_step_equals_the_single_process_run(single, sizes, tmp_path):
-    want, _, _ = single
-    procs = 4 if len(sizes) == 2 else 2
+STATE_BOUND = {"tp2cp2": 0.3, "dp2": 1.0, "dp_shard2": 0.55, "tp2dp_shard2": 0.3}
+"""Per rank, the trained parameters' bytes, their gradients' and AdamW's state against one
+process's (`summary.json`'s `state_bytes`): sharded 4 ways by FSDP2 over cp and the TP plan,
+replicated by dp, sharded 2 ways by FSDP2 over dp_shard, 4 ways by FSDP2 and the TP plan."""
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        ("parallel.tp=2", "parallel.cp=2"),
+        ("parallel.dp=2",),
+        ("parallel.dp_shard=2",),
+        ("parallel.tp=2", "parallel.dp_shard=2"),
+    ],
+    ids=list(STATE_BOUND),
+)
+def test_first_step_equals_the_single_process_run(single, sizes, tmp_path, request):
+    """The first step's loss, metrics and grad norm equal one process's; every rank holds at
+    most its share of the state (`STATE_BOUND`)."""
+    want, (one,), _ = single
+    procs = 2 ** len(sizes)
     got, summaries, seconds = _run(tmp_path, *sizes, procs=procs)
     for key in COMPARED:
         assert got[0][key] == pytest.approx(want[0][key], rel=1e-5, abs=1e-6), key
     assert len(summaries) == procs
+    bound = STATE_BOUND[request.node.callspec.id]
     for summary in summaries:
         assert summary["compile_problems"] == []
         assert 1 <= summary["compiles"] <= summary["buckets"]
-    print(f"torchrun {' '.join(sizes)}: {seconds:.1f} s wall")
+        ratio = sum(summary["state_bytes"].values()) / sum(one["state_bytes"].values())
+        assert ratio <= bound, (summary["parallel"], summary["state_bytes"], one["state_bytes"])
+    print(f"torchrun {' '.join(sizes)}: {seconds:.1f} s wall, state per rank {ratio:.3f}x one process's")
 
 
 @pytest.mark.parametrize(
@@ -106,7 +128,7 @@ def test_a_drafter_trains_as_in_a_single_process(chosen, sizes, tmp_path):
         assert 1 <= summary["compiles"] <= summary["buckets"]
 
 
-def test_a_process_count_that_is_not_tp_cp_dp_is_refused(tmp_path):
+def test_a_process_count_that_is_not_the_mesh_size_is_refused(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "compiled_loss.run", *SMALL, "parallel.tp=2", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
@@ -115,6 +137,7 @@ def test_a_process_count_that_is_not_tp_cp_dp_is_refused(tmp_path):
     )
     assert proc.returncode != 0
     assert (
-        "parallel.tp × parallel.cp × parallel.dp = 2 × 1 × 1 = 2 must equal the number of processes, 1" in proc.stderr
+        "parallel.dp × parallel.dp_shard × parallel.cp × parallel.tp = 1 × 1 × 1 × 2 = 2 must equal the number of "
+        "processes, 1 (torchrun --nproc-per-node × --nnodes)" in proc.stderr
     )
     assert not (tmp_path / "metrics.jsonl").exists()

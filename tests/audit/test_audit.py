@@ -340,7 +340,7 @@ def test_target_options_go_together(tmp_path, capsys, argv):
 @pytest.mark.slow
 def test_distributed_mode_reports_every_rank(tmp_path):
     """`torchrun … compiled_loss.audit.cli tp=2`: every rank's training step (the compiled loss and
-    the model, which DDP keeps apart), with and without a co-trained drafter."""
+    the decoder layers, compiled one by one inside their FSDP2 units), with and without a co-trained drafter."""
     proc = subprocess.run(
         [
             sys.executable,

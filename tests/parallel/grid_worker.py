@@ -1,11 +1,12 @@
-"""The gradient-parity grid's worker: `python grid_worker.py OUT TP CP DP [CASE ...]`, under
-`torchrun --nproc-per-node=TP·CP·DP` (or alone for the single process).
+"""The gradient-parity grid's worker: `python grid_worker.py OUT TP CP DP DP_SHARD [CASE ...]`,
+under `torchrun --nproc-per-node=TP·CP·DP·DP_SHARD` (or alone for the single process).
 
 For every case (a loss × head of `CASES`, or those named) it builds the runner's run
 (`compiled_loss.app.loop.build_run`: the seeded models, the loss, the compiled step — eager
-here — and the rollouts) at these parallel sizes, takes the batch of the loss's first step
-and runs the step. Rank 0 saves, per case, the step's metrics and every policy parameter's
-gradient after the step (DDP's averaged gradient: the same on every rank), or the error.
+here — and the rollouts) at these parallel sizes (the policy and the reference sharded with
+FSDP2 and the TP plan), takes the batch of the loss's first step and runs the step. Rank 0
+saves, per case, the step's metrics and every policy parameter's whole gradient after the
+step (each DTensor gradient gathered with `full_tensor`), or the error.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_module
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' shared helpers
 from common import SMALL_RUN  # noqa: E402
@@ -55,9 +58,11 @@ def _first_batch(run) -> dict[str, torch.Tensor]:
     and sampler / old-policy log-probs shifted by a function of each token and position (so
     a row gets the same shift in whichever replica and layout it lands)."""
     generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in run.reference.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    options = StateDictOptions(full_state_dict=True)
+    state = get_model_state_dict(run.reference, options=options)  # whole, on every rank
+    for name in sorted(state):
+        state[name] = state[name] + 0.05 * torch.randn(state[name].shape, generator=generator)
+    set_model_state_dict(run.reference, state, options=options)
     batch, _ = run.batch(1, run.cfg.loss.reward_shift if run.cfg.loss.name == "mpo" else None)
     ids = batch["input_ids"]
     shift = 0.3 * torch.sin(1.7 * ids + 0.3 * torch.arange(ids.shape[1])) * batch["token_mask"]
@@ -67,23 +72,29 @@ def _first_batch(run) -> dict[str, torch.Tensor]:
     return batch
 
 
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient gathered whole (a collective for a DTensor: every rank calls it)."""
+    return (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+
+
 def run_case(overrides: list[str], groups) -> dict:
     with initialize_config_module(version_base="1.3", config_module="compiled_loss.conf"):
         cfg = load_config(compose(config_name="config", overrides=SMALL + overrides))
     run = build_run(cfg, groups)
     batch = _first_batch(run)
     metrics = run.step(batch).metrics
-    grads = {name: p.grad.detach().clone() for name, p in run.policy.named_parameters() if p.grad is not None}
+    grads = {name: _whole(p.grad) for name, p in run.policy.named_parameters() if p.grad is not None}
     return {"metrics": metrics, "grads": grads}
 
 
-def main(out: str, tp: int, cp: int, dp: int, names: list[str]) -> None:
+def main(out: str, tp: int, cp: int, dp: int, dp_shard: int, names: list[str]) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("WORLD_SIZE", "1")
     groups = None
     results = {}
     for name in names or CASES:
-        overrides = CASES[name] + [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}"]
+        sizes = [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}", f"parallel.dp_shard={dp_shard}"]
+        overrides = CASES[name] + sizes
         if groups is None:  # one set of process groups serves every case
             with initialize_config_module(version_base="1.3", config_module="compiled_loss.conf"):
                 groups = init_parallel(load_config(compose(config_name="config", overrides=SMALL + overrides)).parallel)
@@ -98,5 +109,5 @@ def main(out: str, tp: int, cp: int, dp: int, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    out, tp, cp, dp, *names = sys.argv[1:]
-    main(out, int(tp), int(cp), int(dp), names)
+    out, tp, cp, dp, dp_shard, *names = sys.argv[1:]
+    main(out, int(tp), int(cp), int(dp), int(dp_shard), names)

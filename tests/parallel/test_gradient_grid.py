@@ -1,8 +1,11 @@
 """The gradient-parity grid: every loss × {dense LM head, fused LM head (`LinearLogits`)}, the
 value head included, through the runner's training step under `torchrun` on gloo at
-(tp, cp, dp) ∈ {(2,1,1), (1,2,1), (1,1,2), (2,2,1)}: the first step's loss, every metric and
+several parallel sizes (below): the first step's loss, every metric and
 every policy parameter's gradient equal the single process's (cross-tokenizer distillation
-runs at tp = cp = 1 only: under tp or cp the config refuses it).
+runs at tp = cp = 1 only: under tp or cp the config refuses it). The model is sharded with
+torch.distributed's engine (`shard_model`): at (tp, cp, dp, dp_shard) ∈ {(2,1,1,1),
+(1,2,1,1), (1,1,2,1), (2,2,1,1), (1,1,1,2), (2,1,1,2)} — the TP plan, FSDP2 over cp and
+dp_shard, HSDP's replicas over dp — and every gradient is gathered whole (`full_tensor`).
 
 The worker (`grid_worker.py`) builds each case as the runner does (`build_run`: seeded
 models, loss, step, rollouts; eager, fp32, one step, no gradient clipping) and moves the
@@ -26,7 +29,7 @@ import torch
 pytestmark = pytest.mark.slow  # torchrun: every loss at four parallel sizes
 
 WORKER = Path(__file__).with_name("grid_worker.py")
-SIZES = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
+SIZES = [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 2, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2)]  # tp, cp, dp, dp_shard
 REL, ABS = 1e-4, 1e-6
 # cases the config refuses at a size, with the start of the refusal
 REFUSED = {
@@ -37,15 +40,18 @@ REFUSED = {
 }
 
 
-def _grid(out: Path, tp: int, cp: int, dp: int) -> dict:
-    procs = tp * cp * dp
+def _grid(out: Path, tp: int, cp: int, dp: int, dp_shard: int) -> dict:
+    procs = tp * cp * dp * dp_shard
     launcher = (
         [sys.executable]
         if procs == 1
         else [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}", "--standalone"]
     )
     proc = subprocess.run(
-        [*launcher, str(WORKER), str(out), str(tp), str(cp), str(dp)], capture_output=True, text=True, timeout=900
+        [*launcher, str(WORKER), str(out), *map(str, (tp, cp, dp, dp_shard))],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
@@ -53,7 +59,7 @@ def _grid(out: Path, tp: int, cp: int, dp: int) -> dict:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> dict:
-    results = _grid(tmp_path_factory.mktemp("grid") / "single.pt", 1, 1, 1)
+    results = _grid(tmp_path_factory.mktemp("grid") / "single.pt", 1, 1, 1, 1)
     errors = {name: r["error"] for name, r in results.items() if "error" in r}
     assert not errors
     return results
@@ -93,12 +99,12 @@ def _differences(want: dict, got: dict) -> tuple[list[str], float, float]:
     return problems, worst_metric, worst_grad
 
 
-@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "tp{}cp{}dp{}".format(*s))
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "tp{}cp{}dp{}dp_shard{}".format(*s))
 def test_every_loss_and_head_equals_the_single_process(single, sizes, tmp_path):
     got = _grid(tmp_path / "grid.pt", *sizes)
     assert set(got) == set(single)
     report, worst = [], (0.0, 0.0)
-    tp, cp, _ = sizes
+    tp, cp, *_ = sizes
     for name in single:
         if name in REFUSED and tp * cp > 1:
             assert got[name].get("error", "").startswith(REFUSED[name]), got[name].get("error")

@@ -147,7 +147,9 @@ def _inputs(trainer, call: Call) -> dict[str, torch.Tensor]:
     prompt_mask = (torch.arange(call.prompt) >= torch.randint(0, call.prompt, (rows, 1), generator=g)).long()
     prompt_ids = torch.randint(2, VOCAB, (rows, call.prompt), generator=g) * prompt_mask
     completion_ids = torch.randint(1, VOCAB, (rows, call.width), generator=g)
-    keep = torch.rand(rows, call.width, generator=g) >= float(torch.tensor([0.0, 0.3])[torch.randint(0, 2, (), generator=g)])
+    keep = torch.rand(rows, call.width, generator=g) >= float(
+        torch.tensor([0.0, 0.3])[torch.randint(0, 2, (), generator=g)]
+    )
     keep &= torch.rand(rows, 1, generator=g) >= 0.25  # fully masked rows
     inputs = dict(
         prompt_ids=prompt_ids,
@@ -192,7 +194,11 @@ def _assert_close(case: Case, width: int, ours, theirs, where: str) -> None:
         if width == 1:  # TRL's metrics ignore the mask there (test_one_token_completions_log_masked_metrics)
             continue
         torch.testing.assert_close(
-            torch.tensor(metrics_a[k]), torch.tensor(metrics_b[k]), rtol=tol, atol=tol, msg=lambda m: f"{where} {k}: {m}"
+            torch.tensor(metrics_a[k]),
+            torch.tensor(metrics_b[k]),
+            rtol=tol,
+            atol=tol,
+            msg=lambda m: f"{where} {k}: {m}",
         )
     for i, (a, b) in enumerate(zip([loss_a, *grads_a], [loss_b, *grads_b])):
         a, b = a.float(), b.float()

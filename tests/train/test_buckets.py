@@ -112,7 +112,7 @@ def test_the_runner_refuses_a_grid_past_max_buckets_when_the_config_loads():
         config("packing.tokens=1", "packing.rows=2", "packing.width=1", "packing.per_octave=0")
     assert_expected_inline(
         str(error.value),
-        """the bucket grid (packing.tokens=1, .rows=2, .width=1, .per_octave=0) puts the longest micro-batch (3 rows (data.prompts × data.group_size / parallel.dp / run.micro_batches, rounded up) × 24 tokens (the longest sequence padded to packing.pad_to_multiple)) and the smaller ones into up to 2880 distinct shape buckets, more than compile.max_buckets=256 (one compile each): coarsen the grid or raise compile.max_buckets""",
+        """the bucket grid (packing.tokens=1, .rows=2, .width=1, .per_octave=0) puts the longest micro-batch (3 rows (data.prompts × data.group_size / parallel.dp / parallel.dp_shard / run.micro_batches, rounded up) × 24 tokens (the longest sequence padded to packing.pad_to_multiple)) and the smaller ones into up to 2880 distinct shape buckets, more than compile.max_buckets=256 (one compile each): coarsen the grid or raise compile.max_buckets""",
     )
 
 

@@ -69,8 +69,7 @@ def test_without_it_the_config_floats_become_graph_inputs_read_back_on_the_host(
 
 
 def test_one_definition_under_both_import_paths():
-    """`compiled_loss.compile` (layer 0, which the losses import) defines `compile_loss` and
-    `CompiledModule`; `compiled_loss.train` re-exports those objects, with no module of its own."""
+    """`compiled_loss.compile` (layer 0, which the losses import) defines `compile_loss`;
+    `compiled_loss.train` re-exports it, with no module of its own."""
     assert compiled_loss.train.compile_loss is compiled_loss.compile.compile_loss is compile_loss
-    assert compiled_loss.train.CompiledModule is compiled_loss.compile.CompiledModule
     assert importlib.util.find_spec("compiled_loss.train.compile") is None
