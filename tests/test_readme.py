@@ -1,6 +1,7 @@
 """Every ```python block of README.md runs as written: each in a fresh Python process, in an
 empty directory, on the CPU, and exits 0. A block that imports the `[hf]` extra's packages
-is skipped only where they are missing (CI installs them)."""
+or verl is skipped only where they are missing (CI installs the `[hf]` extra in its main
+venv, and runs the verl blocks in its verl venv)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-HF_EXTRA = {"transformers", "trl", "datasets", "tokenizers"}  # pip install 'compiled_loss[hf]'
+OPTIONAL = {  # a block that imports one of these where it is missing is skipped, naming the install
+    **dict.fromkeys(("transformers", "trl", "datasets", "tokenizers"), "pip install 'compiled_loss[hf]'"),
+    "verl": "pip install 'compiled_loss[verl]' and pip install --no-deps verl==0.9.1",
+}
 TIMEOUT_S = 300
 
 
@@ -59,8 +63,8 @@ def test_the_readme_has_python_blocks_that_parse():
 @pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[name for name, _ in BLOCKS])
 def test_the_block_runs_as_written(code, tmp_path):
     missing = sorted(m for m in _imported(code) if importlib.util.find_spec(m) is None)
-    if missing and set(missing) <= HF_EXTRA:
-        pytest.skip(f"needs {', '.join(missing)}: pip install 'compiled_loss[hf]'")
+    if missing and set(missing) <= set(OPTIONAL):
+        pytest.skip(f"needs {', '.join(missing)}: {'; '.join(sorted({OPTIONAL[m] for m in missing}))}")
     (tmp_path / "block.py").write_text(code)
     proc = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-4000:]}"
