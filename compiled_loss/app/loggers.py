@@ -57,10 +57,11 @@ def finite(values: dict[str, Any], where: str, reported: set[str] | None) -> dic
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a step's record (the step itself, its phase and any None left out):
-    what TensorBoard and W&B plot."""
+    """The numbers of a step's record (the step itself, its phase and any None left out),
+    each named `<phase>/<key>` (`sft/loss`, `clipped_pg/loss`: the warm start's NLL and the
+    loss's curves apart): what TensorBoard and W&B plot."""
     return {
-        key: float(value)
+        f"{metrics['phase']}/{key}": float(value)
         for key, value in metrics.items()
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
     }
@@ -84,7 +85,7 @@ class JsonlLogger:
 
 class TensorBoardLogger:
     """An event file in the run directory: one scalar per number of a step's record, named
-    as in `metrics.jsonl` (`tensorboard --logdir outputs` shows every run)."""
+    `<phase>/<key>` of `metrics.jsonl` (`tensorboard --logdir outputs` shows every run)."""
 
     def __init__(self, output_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter

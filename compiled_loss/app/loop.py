@@ -139,6 +139,10 @@ class Run:
         samplers = (self.rollouts.sampler, self.rollouts.speculative)
         return found + [s.recorder for s in samplers if s is not None and s.recorder is not None]
 
+    def compiles(self) -> int:
+        """The graphs compiled so far, of every recorder (what each step's line counts)."""
+        return sum(r.report.compiles for r in self.recorders())
+
     def compile_seconds(self) -> float:
         """The seconds spent compiling so far."""
         return sum(r.report.compile_seconds for r in self.recorders())
@@ -359,14 +363,7 @@ def _steps(
     rank gathers the checkpoints' state; rank 0 (the one with a `progress`) writes them, logs the progress, hands each
     record to the `loggers` and, after a step that compiled, writes `run.compile_cache`
     (`cache`: `_load_compile_cache`'s) when it lacks something compiled."""
-    family, policy, reference, step, warm, rollouts = (
-        run.family,
-        run.policy,
-        run.reference,
-        run.step,
-        run.warm,
-        run.rollouts,
-    )
+    family, policy, reference, step, warm = run.family, run.policy, run.reference, run.step, run.warm
     warm_steps, total, lead = run.warm_steps, cfg.run.steps, progress is not None
     # MPO: the driver's running mean reward δ of the BCO term (ref §4.4), carried in the metrics
     reward_shift = (
@@ -402,7 +399,7 @@ def _steps(
             "padding_fraction": 1 - result.tokens / result.slots,
             "step_seconds": result.seconds,
             "slots": result.slots,
-            "compiles": step.compiles + warm.compiles + rollouts.compiles,
+            "compiles": run.compiles(),
         }
         history.append(record)
         if cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):  # every rank gathers, rank 0 writes
@@ -468,8 +465,9 @@ def _summary(
             sum(r["tokens"] for r in steady) / sum(r["step_seconds"] for r in steady) if steady else None
         ),
         "padding_fraction": 1 - tokens / sum(r["slots"] for r in main),
-        "compiles": step.compiles,
+        "compiles": step.compiles,  # the loss step's graphs, one per bucket at most
         "buckets": len(step.buckets),
+        "compiles_total": run.compiles(),  # every graph of the run, as each step's line counts them
         "compile_seconds": run.compile_seconds(),
         "compile_cache": cache,
         "sampler_compiles": rollouts.compiles,

@@ -5,6 +5,7 @@ types, finiteness and ranges, with messages that name the key."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 
 import torch
@@ -117,11 +118,15 @@ class CompileConfig:
     raised to it); a run whose bucket grid can produce more is refused when the config loads."""
 
     def __post_init__(self) -> None:
-        backends = sorted(torch._dynamo.list_backends(exclude_tags=()))
-        require(
-            self.backend in backends,
-            f"compile.backend={self.backend!r} is not a torch.compile backend; valid choices: {backends}",
-        )
+        registered = torch._dynamo.list_backends(exclude_tags=())  # torch's debugging and test backends too
+        if self.backend not in registered:
+            usual = sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})
+            close = difflib.get_close_matches(self.backend, registered, n=1)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"compile.backend={self.backend!r} is not a torch.compile backend; {guess}valid choices: {usual} (or "
+                "any other torch._dynamo.list_backends(exclude_tags=()) names)"
+            )
         require(self.mode in _COMPILE_MODES, f"compile.mode={self.mode!r}; valid choices: {list(_COMPILE_MODES)}")
         require(
             self.mode is None or self.backend == "inductor",

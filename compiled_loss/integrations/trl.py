@@ -4,8 +4,8 @@
 
 and the trainer computes each micro-batch's loss with `FusedLinearGRPOLoss` (its attribute
 `liger_loss`, Liger's name for it in TRL's trainers) from the policy's last hidden states
-and `lm_head`, compiled, without the `[B, T, V]` logits: the flow of TRL's Liger path
-(TRL's `use_liger_kernel`), with TRL's normalisers and gradient-accumulation scaling, and
+and `lm_head`, compiled, without the `[B, T, V]` logits, with TRL's normalisers and
+gradient-accumulation scaling, and
 `kl` and `clip_ratio/region_mean` logged as TRL logs them (token-weighted means over the
 processes). The loss sees the model's own logits: its
 final-logit transform (`compiled_loss.integrations.hf.head_transform`: Granite's

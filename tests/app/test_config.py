@@ -185,8 +185,11 @@ class TestStartupErrors(TestCase):
 
     def test_compile_backend(self):
         message = error("compile.backend=inductr")
-        assert message.startswith("compile.backend='inductr' is not a torch.compile backend; valid choices: [")
-        assert "'inductor'" in message and "'aot_eager'" in message
+        assert message.startswith(
+            "compile.backend='inductr' is not a torch.compile backend; did you mean 'inductor'? valid choices: ["
+        )
+        assert "'inductor'" in message and "'aot_eager'" in message and "TESTING_ONLY" not in message
+        assert "did you mean" not in error("compile.backend=xyzzy")
 
     def test_positions_too_short(self):
         self.assertExpectedInline(

@@ -50,11 +50,11 @@ def test_a_step_line_names_the_step_of_the_run_its_phase_and_its_metrics():
 
 def test_tensorboard_and_wandb_get_the_numbers_of_a_record():
     assert scalars(RECORD) == {
-        "loss": -0.0687,
-        "kl_penalty": 0.00123456,
-        "reward": 0.5,
-        "tokens_per_s": 9210.4,
-        "compiles": 4.0,
+        "clipped_pg/loss": -0.0687,
+        "clipped_pg/kl_penalty": 0.00123456,
+        "clipped_pg/reward": 0.5,
+        "clipped_pg/tokens_per_s": 9210.4,
+        "clipped_pg/compiles": 4.0,
     }
 
 
@@ -159,10 +159,12 @@ def test_a_run_with_tensorboard_writes_the_scalars_of_metrics_jsonl(tmp_path):
     written = EventAccumulator(str(events)).Reload()
     records = read_metrics(tmp_path)
     assert set(written.Tags()["scalars"]) == set().union(*(scalars(r) for r in records))
-    for key in ("loss", "reward", "grad_norm", "tokens_per_s"):
-        assert [(e.step, e.value) for e in written.Scalars(key)] == [
-            (r["step"], pytest.approx(r[key], rel=1e-6)) for r in records
-        ], key
+    for phase in ("sft", "clipped_pg"):  # each phase's curves apart (the warm start is "sft")
+        ran = [r for r in records if r["phase"] == phase]
+        for key in ("loss", "reward", "grad_norm", "tokens_per_s"):
+            assert [(e.step, e.value) for e in written.Scalars(f"{phase}/{key}")] == [
+                (r["step"], pytest.approx(r[key], rel=1e-6)) for r in ran
+            ], key
 
 
 @pytest.mark.slow
