@@ -10,6 +10,7 @@ its buckets; a wrong process count is a clear error before anything is built."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -91,6 +92,30 @@ def test_first_step_equals_the_single_process_run(single, sizes, tmp_path, reque
         ratio = sum(summary["state_bytes"].values()) / sum(one["state_bytes"].values())
         assert ratio <= bound, (summary["parallel"], summary["state_bytes"], one["state_bytes"])
     print(f"torchrun {' '.join(sizes)}: {seconds:.1f} s wall, state per rank {ratio:.3f}x one process's")
+
+
+def test_two_nodes_on_localhost_train_the_first_step_of_one_process(single, tmp_path):
+    """The README's multi-node command, simulated: two torchrun agents on this machine (`--nnodes
+    2 --nproc-per-node 2`, c10d rendezvous), `parallel.tp=2 parallel.dp_shard=2`: the first
+    step equals one process's, as on one node."""
+    want, _, _ = single
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
+    agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes"]
+    command = [*agent, "-m", "compiled_loss.run", *SMALL, "parallel.tp=2", "parallel.dp_shard=2"]
+    nodes = [
+        subprocess.Popen([*command, f"hydra.run.dir={tmp_path}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    errors = [node.communicate(timeout=600)[1].decode() for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(e[-2000:] for e in errors)
+    got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in COMPARED:
+        assert got[0][key] == pytest.approx(want[0][key], rel=1e-5, abs=1e-6), key
+    summaries = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("summary*.json"))]
+    assert len(summaries) == 4 and all(s["compile_problems"] == [] for s in summaries)
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,13 @@
 """The gradient-parity grid's worker: `python grid_worker.py OUT TP CP DP DP_SHARD [CASE ...]`,
 under `torchrun --nproc-per-node=TP·CP·DP·DP_SHARD` (or alone for the single process).
 
-For every case (a loss × head of `CASES`, or those named) it builds the runner's run
+For every case (a loss × head of `CASES`, or those named, of `CASES` or `EXTRA_CASES`) it
+builds the runner's run
 (`compiled_loss.app.loop.build_run`: the seeded models, the loss, the compiled step — eager
 here — and the rollouts) at these parallel sizes (the policy and the reference sharded with
 FSDP2 and the TP plan), takes the batch of the loss's first step and runs the step. Rank 0
 saves, per case, the step's metrics and every policy parameter's whole gradient after the
-step (each DTensor gradient gathered with `full_tensor`), or the error.
+step (each DTensor gradient gathered with `full_tensor`; the drafter's too), or the error.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ CASES = {
 }
 
 
+# cases the grid runs at some sizes only (`test_gradient_grid.py`): `model=hf` (transformers' Llama under
+# the TP plan) on two losses, and the co-trained drafters
+EXTRA_CASES = {
+    "hf-clipped_pg": ["model=hf", "loss=clipped_pg", "packing=fused"],
+    "hf-dpo-fused_head": ["model=hf", "loss=dpo", "packing=none", "logprob.fused_linear=true"],
+    "eagle3": ["loss=clipped_pg", "draft=eagle3", "packing=fused"],
+    # EAGLE-3 normalises its loss over a step's micro-batches, its denominators summed over the
+    # data-parallel ranks: one micro-batch per rank matches one process's one
+    "eagle3-one_micro_batch": ["loss=clipped_pg", "draft=eagle3", "packing=fused", "run.micro_batches=1"],
+    "dflash": ["loss=clipped_pg", "draft=dflash", "packing=none"],
+}
+
+
 def _first_batch(run) -> dict[str, torch.Tensor]:
     """The batch of the loss's first step, moved off its fixed point. A first step sits where every ratio is 1 and every KL 0 (the reference, the sampler and
     the policy are one model), where a wrong ratio or KL gradient vanishes. Move off it the
@@ -84,6 +98,8 @@ def run_case(overrides: list[str], groups) -> dict:
     batch = _first_batch(run)
     metrics = run.step(batch).metrics
     grads = {name: _whole(p.grad) for name, p in run.policy.named_parameters() if p.grad is not None}
+    if run.drafter is not None:  # replicated: each rank holds the single-process gradient after the step
+        grads |= {f"drafter.{name}": p.grad.clone() for name, p in run.drafter.named_parameters() if p.grad is not None}
     return {"metrics": metrics, "grads": grads}
 
 
@@ -94,7 +110,7 @@ def main(out: str, tp: int, cp: int, dp: int, dp_shard: int, names: list[str]) -
     results = {}
     for name in names or CASES:
         sizes = [f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}", f"parallel.dp_shard={dp_shard}"]
-        overrides = CASES[name] + sizes
+        overrides = (CASES | EXTRA_CASES)[name] + sizes
         if groups is None:  # one set of process groups serves every case
             with initialize_config_module(version_base="1.3", config_module="compiled_loss.conf"):
                 groups = init_parallel(load_config(compose(config_name="config", overrides=SMALL + overrides)).parallel)

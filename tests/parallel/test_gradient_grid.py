@@ -40,7 +40,7 @@ REFUSED = {
 }
 
 
-def _grid(out: Path, tp: int, cp: int, dp: int, dp_shard: int) -> dict:
+def _grid(out: Path, tp: int, cp: int, dp: int, dp_shard: int, *names: str) -> dict:
     procs = tp * cp * dp * dp_shard
     launcher = (
         [sys.executable]
@@ -48,7 +48,7 @@ def _grid(out: Path, tp: int, cp: int, dp: int, dp_shard: int) -> dict:
         else [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}", "--standalone"]
     )
     proc = subprocess.run(
-        [*launcher, str(WORKER), str(out), *map(str, (tp, cp, dp, dp_shard))],
+        [*launcher, str(WORKER), str(out), *map(str, (tp, cp, dp, dp_shard)), *names],
         capture_output=True,
         text=True,
         timeout=900,
@@ -117,3 +117,24 @@ def test_every_loss_and_head_equals_the_single_process(single, sizes, tmp_path):
         f"{sizes}: {len(single)} cases; largest relative difference: metrics {worst[0]:.2g}, "
         f"gradients {worst[1]:.2g} (of the parameter's largest entry)"
     )
+
+
+EXTRA = {  # EXTRA_CASES (grid_worker.py) at the sizes each runs at: (the single process's case, the parallel run's)
+    (2, 1, 1, 1): [(name, name) for name in ("hf-clipped_pg", "hf-dpo-fused_head", "eagle3", "dflash")],
+    # EAGLE-3 at one micro-batch per data-parallel rank (as tests/app/test_torchrun.py). DFlash draws a static
+    # number of anchors per data-parallel rank: by design its data-parallel runs draw other anchors than one
+    # process does
+    (1, 1, 1, 2): [("eagle3-one_micro_batch", "eagle3-one_micro_batch")],
+}
+
+
+@pytest.mark.parametrize("sizes", list(EXTRA), ids=lambda s: "tp{}cp{}dp{}dp_shard{}".format(*s))
+def test_hf_model_and_drafters_equal_the_single_process(sizes, tmp_path):
+    """`model=hf` under its TP plan on two losses (dense and fused head), and both co-trained
+    drafters (the drafter's gradients too): loss, every metric, every gradient."""
+    pairs = EXTRA[sizes]
+    want = _grid(tmp_path / "single.pt", 1, 1, 1, 1, *(single for single, _ in pairs))
+    got = _grid(tmp_path / "grid.pt", *sizes, *(parallel for _, parallel in pairs))
+    report = [f"{b}: {p}" for a, b in pairs for p in _differences(want[a], got[b])[0]]
+    assert all(any(g.startswith("drafter.") for g in want[a]["grads"]) for a, _ in pairs if "hf" not in a)
+    assert not report, "\n".join(report)
