@@ -42,6 +42,7 @@ from compiled_loss.packing import (
 )
 from compiled_loss.parallel import ParallelGroups, check_agreement
 from compiled_loss.vocab import DraftVocab
+from compiled_loss.vocab.shards import local_logits, local_tensor
 
 Tensor = TypeVar("Tensor")  # seed: `nemo_rl.algorithms.loss.wrapper.Tensor`
 
@@ -79,7 +80,7 @@ def _preparation(
     if isinstance(prepare_fn, functools.partial) and not prepare_fn.args:
         func, keywords = prepare_fn.func, dict(prepare_fn.keywords)
     if func in (prepare_loss_input, prepare_packed_loss_input) and set(keywords) <= _OPTIONS:
-        parallel = ParallelGroups.of_seed(vocab_parallel_rank, parallel.tp, parallel.cp)
+        ParallelGroups.of_seed(vocab_parallel_rank, parallel.tp, parallel.cp)  # the rank, checked
         return Preparation(loss_fn, spec, PrepareOptions(parallel, **keywords))
     if per_sequence_cp:
         raise ValueError(
@@ -87,7 +88,8 @@ def _preparation(
             f"each rank evaluates its own CP slots; got {prepare_fn!r}"
         )
     cu, cup = cu_seqlens
-    return seed_prepare(prepare_fn, loss_fn, vocab_parallel_rank, parallel, cu, cup)
+    ParallelGroups.of_seed(vocab_parallel_rank, parallel.tp, parallel.cp)  # the rank, checked
+    return seed_prepare(prepare_fn, loss_fn, cu, cup)
 
 
 # the keyword options of the library's preparation functions (`PrepareOptions`)
@@ -259,41 +261,48 @@ class DraftLossWrapper:
         global_valid_toks: torch.Tensor | None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        who = "DraftLossWrapper"
         if global_valid_toks is None:
-            raise ValueError("DraftLossWrapper: global_valid_toks must not be None")
-        check_inputs_agree(
-            "DraftLossWrapper",
-            next_token_logits,
-            data,
-            self.vocab_parallel_group,
-            self.context_parallel_group,
-            student_logits=self.student_logits,
+            raise ValueError(f"{who}: global_valid_toks must not be None")
+        # DTensor logits (and draft logits): this rank's shards, over their mesh's groups; the policy
+        # loss takes them as given
+        logits, parallel = local_logits(
+            next_token_logits, ParallelGroups(tp=self.vocab_parallel_group, cp=self.context_parallel_group), who
         )
+        student = local_tensor(self.student_logits, parallel, who, "student_logits")
+        draft_data = data
+        if "student_logits" in data:
+            draft_data = {**data, "student_logits": local_tensor(data["student_logits"], parallel, who, "data")}
+        check_inputs_agree(who, logits, draft_data, parallel.tp, parallel.cp, student_logits=student)
         policy_loss, metrics = self.loss_fn(next_token_logits, data, global_valid_seqs, global_valid_toks, **kwargs)
-        groups = dict(vocab_parallel_rank=self.vocab_parallel_rank, vocab_parallel_group=self.vocab_parallel_group)
+        draft_loss_fn = self.draft_loss_fn
+        if parallel.tp is not draft_loss_fn.vocab_parallel_group:
+            draft_loss_fn = dataclasses.replace(draft_loss_fn, vocab_parallel_group=parallel.tp)
+        rank = self.vocab_parallel_rank if parallel.tp is self.vocab_parallel_group else None
+        groups = dict(vocab_parallel_rank=rank, vocab_parallel_group=parallel.tp)
         if self.layout is not None:
             draft = packed_draft_soft_ce(
-                next_token_logits,
-                data,
+                logits,
+                draft_data,
                 global_valid_seqs,
                 global_valid_toks,
-                draft_loss_fn=self.draft_loss_fn,
+                draft_loss_fn=draft_loss_fn,
                 layout=self.layout,
-                student_logits=self.student_logits,
+                student_logits=student,
                 draft_vocab=self.draft_vocab,
                 **groups,
             )
             extra = {}
         else:
             draft, extra = draft_soft_ce(
-                next_token_logits,
-                data,
+                logits,
+                draft_data,
                 global_valid_seqs,
                 global_valid_toks,
-                draft_loss_fn=self.draft_loss_fn,
+                draft_loss_fn=draft_loss_fn,
                 prepare_fn=self.prepare_fn,
                 defer_normalization=self.defer_normalization,
-                context_parallel_group=self.context_parallel_group,
+                context_parallel_group=parallel.cp,
                 **groups,
             )
         loss, metrics = with_draft_loss(

@@ -13,7 +13,7 @@ from compiled_loss.inputs.options import PrepareOptions
 from compiled_loss.interfaces import InputSpec
 from compiled_loss.losses.common import require_keys
 from compiled_loss.packing.view import Logits, RowsView, TokenView
-from compiled_loss.parallel import ParallelGroups, group_size
+from compiled_loss.parallel import group_size
 from compiled_loss.vocab import (
     GRADIENT_CARRIER,
     LinearLogits,
@@ -24,6 +24,7 @@ from compiled_loss.vocab import (
     need_top_k_or_top_p_filtering,
     token_logprobs,
 )
+from compiled_loss.vocab.shards import seed_groups
 
 Tensor = torch.Tensor
 
@@ -111,7 +112,13 @@ def get_next_token_logprobs_from_logits(
     TP ranks), or `LinearLogits` with hidden states `[B, S(_pad / cp), H]`; the result is
     every position's, on every rank. `seq_index` is accepted for the seed's signature.
     """
-    groups = ParallelGroups.of_seed(vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
+    next_token_logits, groups = seed_groups(
+        next_token_logits,
+        vocab_parallel_rank,
+        vocab_parallel_group,
+        context_parallel_group,
+        "get_next_token_logprobs_from_logits",
+    )
     view = RowsView.of(next_token_logits, input_ids.shape[1], groups.cp)
     return next_token_logprobs(
         view, next_token_logits, input_ids, sampling_params=sampling_params, chunk_size=chunk_size, group=groups.tp

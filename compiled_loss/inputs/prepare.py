@@ -27,8 +27,9 @@ from compiled_loss.interfaces import InputSpec, LossFunction, LossInputType
 from compiled_loss.losses.common import require_keys
 from compiled_loss.packing import CpuIntTuple, PackedLayout
 from compiled_loss.packing.view import Logits
-from compiled_loss.parallel import ParallelGroups, group_size
+from compiled_loss.parallel import group_size
 from compiled_loss.vocab import DraftVocab, TrainingSamplingParams
+from compiled_loss.vocab.shards import seed_groups
 
 Tensor = torch.Tensor
 
@@ -63,7 +64,9 @@ def prepare_loss_input(
     position of `input_ids`, under context parallelism too) and, in an eager call, a token
     id outside the vocabulary (a ValueError naming the key, the id and `V`).
     """
-    parallel = ParallelGroups.of_seed(vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
+    logits, parallel = seed_groups(
+        logits, vocab_parallel_rank, vocab_parallel_group, context_parallel_group, "prepare_loss_input"
+    )
     options = PrepareOptions(parallel, sampling_params, chunk_size, d2t, teacher_output_layer_weight_by_index)
     if cp_sharder is not None:
         raise ValueError(
@@ -105,7 +108,9 @@ def prepare_packed_loss_input(
     packed `[1, T]` row whose masks exclude each sequence's last position) take LOGPROB
     losses; the log-probs are returned in that packed `[1, T-1]` layout.
     """
-    parallel = ParallelGroups.of_seed(vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
+    logits, parallel = seed_groups(
+        logits, vocab_parallel_rank, vocab_parallel_group, context_parallel_group, "prepare_packed_loss_input"
+    )
     options = PrepareOptions(
         parallel, sampling_params, chunk_size, teacher_output_layer_weight_by_index=teacher_output_layer_weight_by_index
     )
@@ -121,7 +126,7 @@ def prepare_packed_loss_input(
         if cu_seqlens_q is None:
             raise ValueError("prepare_packed_loss_input needs cu_seqlens_q or a layout")
         layout = PackedLayout.build(
-            cu_seqlens_q, cu_seqlens_q_padded, device=logits.device, context_parallel_group=context_parallel_group
+            cu_seqlens_q, cu_seqlens_q_padded, device=logits.device, context_parallel_group=parallel.cp
         )
     return prepare_inputs(logits, data, loss_fn, spec, options, layout), dict(data)
 

@@ -28,6 +28,7 @@ from compiled_loss.inputs.validate import check_batch_shapes, check_token_ids
 from compiled_loss.interfaces import InputSpec, LossFunction, LossInputType
 from compiled_loss.packing import PackedLayout, row_width
 from compiled_loss.packing.view import Logits, PackedView, RowsView, TokenView
+from compiled_loss.parallel import ParallelGroups
 from compiled_loss.vocab import LinearLogits
 
 Tensor = torch.Tensor
@@ -119,13 +120,17 @@ def prepare_inputs(
 @dataclasses.dataclass(frozen=True, eq=False)
 class Preparation:
     """`prepare_inputs` for one loss and one set of options, as the micro-batch entry point
-    calls it (`compiled_loss.packing.Prepare`): `(logits, data, layout) -> (loss_input, data)`."""
+    calls it (`compiled_loss.packing.Prepare`): `(logits, data, layout, parallel) ->
+    (loss_input, data)`, over the groups the logits are sharded over."""
 
     loss_fn: LossFunction
     spec: InputSpec
     options: PrepareOptions
 
     def __call__(
-        self, logits: Logits, data: Mapping[str, Tensor], layout: PackedLayout | None
+        self, logits: Logits, data: Mapping[str, Tensor], layout: PackedLayout | None, parallel: ParallelGroups
     ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        return prepare_inputs(logits, data, self.loss_fn, self.spec, self.options, layout), dict(data)
+        options = self.options
+        if parallel.tp is not options.parallel.tp or parallel.cp is not options.parallel.cp:  # DTensor logits' groups
+            options = dataclasses.replace(options, parallel=parallel)
+        return prepare_inputs(logits, data, self.loss_fn, self.spec, options, layout), dict(data)

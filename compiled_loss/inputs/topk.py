@@ -12,8 +12,9 @@ from compiled_loss.inputs.options import PrepareOptions
 from compiled_loss.interfaces import InputSpec
 from compiled_loss.losses.common import require_keys
 from compiled_loss.packing.view import Logits, RowsView, TokenView
-from compiled_loss.parallel import ParallelGroups, group_size
+from compiled_loss.parallel import group_size
 from compiled_loss.vocab import LinearLogits, vocab_reduce
+from compiled_loss.vocab.shards import seed_groups
 
 Tensor = torch.Tensor
 
@@ -100,7 +101,13 @@ def get_distillation_topk_logprobs_from_logits(
     """Student / teacher top-k log-probs `[B, S-1, k]` and `H_all = Σ p log p` (ref §8.9);
     parallel layouts as in `get_next_token_logprobs_from_logits`, indices are global ids;
     `chunk_size`: rows per chunk of the vocab primitive."""
-    groups = ParallelGroups.of_seed(vocab_parallel_rank, vocab_parallel_group, context_parallel_group)
+    student_logits, groups = seed_groups(
+        student_logits,
+        vocab_parallel_rank,
+        vocab_parallel_group,
+        context_parallel_group,
+        "get_distillation_topk_logprobs_from_logits",
+    )
     view = RowsView.of(student_logits, teacher_topk_indices.shape[1], groups.cp)
     return topk_logprobs(
         view,

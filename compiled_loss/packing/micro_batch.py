@@ -28,18 +28,24 @@ import torch
 from compiled_loss.interfaces import InputSpec, LossFunction, LossInputType
 from compiled_loss.packing.boundaries import CpuIntTuple
 from compiled_loss.packing.layout import PackedLayout, row_width
-from compiled_loss.parallel import ParallelGroups, check_agreement
+from compiled_loss.parallel import ParallelGroups, check_agreement, group_rank, same_group
 from compiled_loss.vocab.fused import GRADIENT_CARRIER, LinearLogits, per_position
+from compiled_loss.vocab.shards import local_logits, seed_groups
 
 Tensor = torch.Tensor
 
 
 class Prepare(Protocol):
     """A micro-batch's input preparation: logits (unpacked `[B, S, V]` when `layout` is None,
-    packed `[1, T, V]` laid out by `layout` otherwise) and data → `(loss_input, data)`."""
+    packed `[1, T, V]` laid out by `layout` otherwise), data and the groups the logits are
+    sharded over → `(loss_input, data)`."""
 
     def __call__(
-        self, logits: Tensor | LinearLogits, data: Mapping[str, Tensor], layout: PackedLayout | None
+        self,
+        logits: Tensor | LinearLogits,
+        data: Mapping[str, Tensor],
+        layout: PackedLayout | None,
+        parallel: ParallelGroups,
     ) -> tuple[dict[str, Any], dict[str, Tensor]]: ...
 
 
@@ -94,12 +100,18 @@ def micro_batch_loss(
     first checks that the ranks agree on every shape and dtype (`check_inputs_agree`; the
     packing itself is checked where the layout is built)."""
     who = "wrap_loss_fn_with_input_preparation" if layout is None else "sequence_packing_loss"
+    logits, parallel = local_logits(logits, parallel, who)  # a DTensor: its local shard and its mesh's groups
+    if layout is not None and not same_group(layout.shards.group if layout.shards is not None else None, parallel.cp):
+        raise ValueError(
+            f"{who}: the logits are sharded over another context-parallel group than the packing's layout was "
+            "built for: build the wrapper (the layout) with context_parallel_group= the logits' 'cp' mesh group"
+        )
     check_inputs_agree(who, logits, data, parallel.tp, parallel.cp)
     normalizers = dict(global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks)
     if isinstance(logits, LinearLogits) and spec.token_separable:
         logits = dataclasses.replace(logits, objective=_objective(loss_fn, normalizers, layout))
     if layout is None:
-        loss_input, data = prepare(logits, data, None)
+        loss_input, data = prepare(logits, data, None, parallel)
     else:
         if spec.input_type == LossInputType.DISTILLATION and not ("token_mask" in data and "sample_mask" in data):
             raise ValueError(
@@ -113,9 +125,10 @@ def micro_batch_loss(
         teacher_positions = {k: data[k] for k in spec.teacher_logits_keys if k in data}
         data = {**layout.truncate({k: v for k, v in data.items() if k not in teacher_positions}), **teacher_positions}
         if per_sequence and layout.shards is None:
-            loss_input, data = prepare(per_position(packed, lambda x: layout.unpack(x, row_width(data))), data, None)
+            unpacked = per_position(packed, lambda x: layout.unpack(x, row_width(data)))
+            loss_input, data = prepare(unpacked, data, None, parallel)
         else:
-            loss_input, data = prepare(logits, data, layout)
+            loss_input, data = prepare(logits, data, layout, parallel)
         loss_input = _zero_unevaluated(loss_input, layout.valid_mask(row_width(data))[:, 1:])
     carrier = loss_input.pop(GRADIENT_CARRIER, None)
     loss, metrics = loss_fn(data=data, **normalizers, **loss_input)
@@ -154,12 +167,17 @@ def _zero_unevaluated(loss_input: dict[str, Any], next_valid: Tensor) -> dict[st
 def _call_seed(
     prepare_fn: Callable[..., Any],
     loss_fn: LossFunction,
-    groups: dict[str, Any],
     packed: dict[str, Any],
     logits: Tensor | LinearLogits,
     data: Mapping[str, Tensor],
     layout: PackedLayout | None,
+    parallel: ParallelGroups,
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    groups = dict(
+        vocab_parallel_rank=group_rank(parallel.tp) if parallel.tp is not None else None,
+        vocab_parallel_group=parallel.tp,
+        context_parallel_group=parallel.cp,
+    )
     if layout is None:
         return prepare_fn(logits=logits, data=data, loss_fn=loss_fn, **groups)
     return prepare_fn(logits=logits, data=data, loss_fn=loss_fn, layout=layout, **packed, **groups)
@@ -168,19 +186,15 @@ def _call_seed(
 def seed_prepare(
     prepare_fn: Callable[..., Any],
     loss_fn: LossFunction,
-    vocab_parallel_rank: int | None = None,
-    parallel: ParallelGroups = ParallelGroups(),
     cu_seqlens_q: CpuIntTuple | None = None,
     cu_seqlens_q_padded: CpuIntTuple | None = None,
 ) -> Prepare:
-    """A seed `prepare_fn` as a `Prepare`: called with the seed's keywords — of the
+    """A seed `prepare_fn` as a `Prepare`: called with the seed's keywords (the groups the
+    logits are sharded over, this rank's rank in the vocabulary group) — of the
     `prepare_loss_input` kind on unpacked logits, of the `prepare_packed_loss_input` kind
     (with the boundaries and `layout=`) on packed ones."""
-    groups = dict(
-        vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=parallel.tp, context_parallel_group=parallel.cp
-    )
     packed = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded)
-    return functools.partial(_call_seed, prepare_fn, loss_fn, groups, packed)
+    return functools.partial(_call_seed, prepare_fn, loss_fn, packed)
 
 
 def wrap_loss_fn_with_input_preparation(
@@ -197,7 +211,13 @@ def wrap_loss_fn_with_input_preparation(
     """`prepare_fn` then `loss_fn` on an unpacked `[B, S]` micro-batch (ref §7.6): the
     micro-batch entry point over padded rows. Under tensor / context parallelism an eager
     call first checks that the ranks agree on every shape and dtype (`check_inputs_agree`)."""
-    parallel = ParallelGroups(tp=vocab_parallel_group, cp=context_parallel_group)
+    next_token_logits, parallel = seed_groups(
+        next_token_logits,
+        vocab_parallel_rank,
+        vocab_parallel_group,
+        context_parallel_group,
+        "wrap_loss_fn_with_input_preparation",
+    )
     return micro_batch_loss(
         next_token_logits,
         data,
@@ -205,7 +225,7 @@ def wrap_loss_fn_with_input_preparation(
         global_valid_toks,
         loss_fn=loss_fn,
         spec=InputSpec.of(loss_fn),
-        prepare=seed_prepare(prepare_fn, loss_fn, vocab_parallel_rank, parallel),
+        prepare=seed_prepare(prepare_fn, loss_fn),
         parallel=parallel,
     )
 
@@ -240,7 +260,9 @@ def sequence_packing_loss(
             "sequence_packing_loss: under context parallelism each rank prepares its own packed slots: pass "
             "fused=True and a prepare_fn of the prepare_packed_loss_input kind"
         )
-    parallel = ParallelGroups(tp=vocab_parallel_group, cp=context_parallel_group)
+    next_token_logits, parallel = seed_groups(
+        next_token_logits, vocab_parallel_rank, vocab_parallel_group, context_parallel_group, "sequence_packing_loss"
+    )
     return micro_batch_loss(
         next_token_logits,
         data,
@@ -248,14 +270,7 @@ def sequence_packing_loss(
         global_valid_toks,
         loss_fn=loss_fn,
         spec=InputSpec.of(loss_fn),
-        prepare=seed_prepare(
-            prepare_fn,
-            loss_fn,
-            vocab_parallel_rank,
-            parallel,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_q_padded=cu_seqlens_q_padded,
-        ),
+        prepare=seed_prepare(prepare_fn, loss_fn, cu_seqlens_q=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded),
         layout=layout,
         per_sequence=not fused,
         parallel=parallel,

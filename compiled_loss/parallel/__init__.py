@@ -2,6 +2,6 @@
 them), the host-side agreement check, and the traceable collectives the vocab-parallel and
 context-parallel computations use (`collectives`)."""
 
-from compiled_loss.parallel.groups import ParallelGroups, check_agreement, group_rank, group_size
+from compiled_loss.parallel.groups import ParallelGroups, check_agreement, group_rank, group_size, same_group
 
-__all__ = ["ParallelGroups", "check_agreement", "group_rank", "group_size"]
+__all__ = ["ParallelGroups", "check_agreement", "group_rank", "group_size", "same_group"]

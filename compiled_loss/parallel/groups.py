@@ -12,6 +12,15 @@ import torch
 import torch.distributed as dist
 
 
+def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    """Whether `a` and `b` hold the same ranks (None: no group); the same object is (no call)."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of `group` (1 for None or when torch.distributed is not initialised)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):

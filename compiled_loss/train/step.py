@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from compiled_loss.compile import admit_bucket, compile_loss
 from compiled_loss.config import CompileConfig, Config, PackingMode
@@ -82,6 +81,7 @@ from compiled_loss.train.parallel import (
 )
 from compiled_loss.train.recorder import CompileRecorder
 from compiled_loss.vocab import TrainingSamplingParams, per_position
+from compiled_loss.vocab.shards import local_logits
 
 Tensor = torch.Tensor
 
@@ -114,8 +114,9 @@ def _captured(
 
 def _local(logits: Tensor) -> Tensor:
     """The model's logits as this rank's vocabulary shard: a tensor-parallel model's DTensor
-    (`Shard(-1)`) unwrapped to its local part (its gradient flows back into the DTensor)."""
-    return logits.to_local() if isinstance(logits, DTensor) else logits
+    (`Shard(-1)`) unwrapped at the edge (`compiled_loss.vocab.shards`; its gradient flows back
+    into the DTensor)."""
+    return local_logits(logits, ParallelGroups(), "TrainStep")[0]
 
 
 def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_logits=False, aux_layers=None):

@@ -15,6 +15,7 @@ import torch
 from compiled_loss.parallel import check_agreement, group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather
 from compiled_loss.vocab.fused import LinearLogits
+from compiled_loss.vocab.shards import seed_groups
 
 Tensor = torch.Tensor
 
@@ -70,9 +71,10 @@ def map_teacher_logits_to_draft_vocab(
     """Restrict full-vocab teacher logits `[..., V]` to the draft vocabulary via `d2t`
     (draft index `i` → target id `i + d2t[i]`); no-op when `d2t` is None (ref §6.2).
 
-    Under tensor parallelism (`vocab_parallel_group`) the teacher arrives vocab-sharded
-    `[..., V / tp]`: it is all-gathered to the full vocabulary and this rank's contiguous
-    slice of the draft vocabulary is returned `[..., V_draft / tp]` (the draft head is
+    Under tensor parallelism (`vocab_parallel_group`, or a DTensor sharded on the vocabulary:
+    `compiled_loss.vocab.shards`) the teacher arrives vocab-sharded `[..., V / tp]`: it is
+    all-gathered to the full vocabulary and this rank's contiguous slice of the draft
+    vocabulary is returned `[..., V_draft / tp]` (the draft head is
     sharded the same way). Pass a `DraftVocab` (checked once) to map without a device sync;
     a raw `d2t` tensor is checked on every eager call (one sync) and not under torch.compile.
     `LinearLogits` (an LM head's factors) give the same logits from the draft vocabulary's
@@ -80,10 +82,13 @@ def map_teacher_logits_to_draft_vocab(
     An eager call under TP first checks that every rank holds an equally wide shard of the
     same shape and dtype (a ValueError on every rank otherwise).
     """
+    teacher_logits, parallel = seed_groups(
+        teacher_logits, vocab_parallel_rank, vocab_parallel_group, None, "map_teacher_logits_to_draft_vocab"
+    )
     linear = isinstance(teacher_logits, LinearLogits)
     if d2t is None:
         return teacher_logits.logits() if linear else teacher_logits
-    group = vocab_parallel_group
+    group = parallel.tp
     shards = group_size(group)
     check_agreement(
         "map_teacher_logits_to_draft_vocab's inputs (each rank's teacher_logits are its vocabulary shard "

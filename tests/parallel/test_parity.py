@@ -4,7 +4,8 @@ gradient w.r.t. each rank's logit shard equal to the matching slice of the singl
 gradient — times cp, the reference's context-parallel convention (its all-gather backward
 sums over the CP ranks; its trainer divides the loss by cp) — and one clean graph per rank
 under torch.compile (a representative subset at (2, 2)). One spawn per configuration
-runs every case.
+runs every case. The same with the logits as NeMo-RL's DTensor path holds them (and no
+vocabulary group argument): the wrappers unwrap them once, at the edge.
 
 `python tests/parallel/test_parity.py` prints the table of maximum errors."""
 
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 from cases import CASE_BY_NAME, TEACHER_HEADS, boundaries, globals_for, make_batch, pack_logits
 from ranks import context_local, run_on_ranks, tp_cp_groups
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from compiled_loss.loss_input import prepare_loss_input
 from compiled_loss.train import CompileRecorder
@@ -63,14 +66,16 @@ def _batch(name: str):
     return case, data, logits.detach(), student
 
 
-def _wrapper(which, case, student, tp_group=None, cp_group=None):
-    """The wrapper under test, built on the host; `student` is this rank's draft logits."""
+def _wrapper(which, case, student, tp_group=None, cp_group=None, heads_group=None):
+    """The wrapper under test, built on the host; `student` is this rank's draft logits; the
+    teacher heads are sharded over `heads_group` (default: `tp_group`)."""
     groups = dict(vocab_parallel_group=tp_group, context_parallel_group=cp_group)
     cu, cup = boundaries(LENGTHS, PADS)
     loss_fn = case.make_loss()
     prepare = case.prepare
-    if case.teacher_heads and tp_group is not None:  # each TP rank holds its vocabulary shard of the teacher heads
-        tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    heads_group = heads_group or tp_group
+    if case.teacher_heads and heads_group is not None:  # each TP rank holds its vocabulary shard of the heads
+        tp, rank = dist.get_world_size(heads_group), dist.get_rank(heads_group)
         heads = {k: w.chunk(tp)[rank] for k, w in TEACHER_HEADS.items()}
 
         def prepare(packed):
@@ -114,8 +119,24 @@ def _shard(which, x, tp_rank, tp, cp_group):
     return context_local(x, cp_group, None if which in ("unpacked", "draft_unpacked") else boundaries(LENGTHS, PADS)[1])
 
 
-def _on_ranks(rank: int, world: int, tp: int, cp: int):
+def _mesh_logits(local: torch.Tensor, mesh) -> DTensor:
+    """A rank's local logits as NeMo-RL's DTensor path holds them: `(Shard(-1),)` on a 1-D "tp"
+    mesh, `(Shard(1),)` on a 1-D "cp" mesh, `(Shard(1), Shard(-1))` on ("cp", "tp")."""
+    vocab, sequence = Shard(local.dim() - 1), Shard(1)
+    if mesh.ndim == 2:
+        return DTensor.from_local(local, mesh, [sequence, vocab])
+    return DTensor.from_local(local, mesh, [vocab if mesh.mesh_dim_names == ("tp",) else sequence])
+
+
+def _on_ranks(rank: int, world: int, tp: int, cp: int, dtensor: bool = False):
+    """Every case on this rank; `dtensor`: the logits (and draft logits) as DTensors, the wrappers
+    given no vocabulary group (a packing wrapper keeps its context-parallel group: its layout is
+    built from it), eagerly."""
     tp_group, cp_group = tp_cp_groups(rank, world, tp, cp)
+    if dtensor:  # the mesh's groups: the same ranks
+        sizes = {name: size for name, size in (("cp", cp), ("tp", tp)) if size > 1}
+        mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+        tp_group, cp_group = (mesh.get_group("tp") if tp > 1 else None), (mesh.get_group("cp") if cp > 1 else None)
     tp_rank, cp_size = rank % tp, cp
     report = []
     for name in LOSSES:
@@ -132,16 +153,22 @@ def _on_ranks(rank: int, world: int, tp: int, cp: int):
             local = _shard(which, full.detach(), tp_rank, tp, cp_group).requires_grad_()
             local_student = _shard(which, full_student, tp_rank, tp, cp_group)
             want_local_grad = _shard(which, want_grad, tp_rank, tp, cp_group) * cp_size
-            wrapper = _wrapper(which, case, local_student, tp_group, cp_group)
-            data_local = {**data, "student_logits": local_student} if which == "draft_unpacked" else data
-            modes = ("eager", "compiled") if tp * cp == 4 and (name, which) in COMPILED else ("eager",)
+            packed_cp = cp_group if which in ("per_sequence", "fused", "draft_packed") else None
+            student_in = _mesh_logits(local_student, mesh) if dtensor else local_student
+            wrapper = (
+                _wrapper(which, case, student_in, None, packed_cp, heads_group=tp_group)
+                if dtensor
+                else _wrapper(which, case, local_student, tp_group, cp_group)
+            )
+            data_local = {**data, "student_logits": student_in} if which == "draft_unpacked" else data
+            modes = ("eager", "compiled") if tp * cp == 4 and (name, which) in COMPILED and not dtensor else ("eager",)
             for mode in modes:
                 torch._dynamo.reset()
                 recorder = CompileRecorder("aot_eager")
                 fn = _apply if mode == "eager" else recorder.compile(_apply, fullgraph=True)
-                got, metrics = fn(wrapper, local, data_local, gs, gt)
+                got, metrics = fn(wrapper, _mesh_logits(local, mesh) if dtensor else local, data_local, gs, gt)
                 (grad,) = torch.autograd.grad(got, local)
-                label = f"{name}/{which}/{mode}"
+                label = f"{name}/{which}/{mode}{'/dtensor' if dtensor else ''}"
                 errors = {"loss": (got - want).abs().item()}
                 try:
                     torch.testing.assert_close(got, want, **TOL)
@@ -173,9 +200,11 @@ def _on_ranks(rank: int, world: int, tp: int, cp: int):
     return report
 
 
+@pytest.mark.parametrize("dtensor", [False, True], ids=["groups", "dtensor"])
 @pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "cp2", "tp2cp2"])
-def test_parallel_parity_table(tp, cp):
-    results = run_on_ranks(_on_ranks, tp, cp, world_size=tp * cp, timeout=600)
+def test_parallel_parity_table(tp, cp, dtensor):
+    """`dtensor`: NeMo-RL-shaped DTensor logits into every wrapper, with no vocabulary group."""
+    results = run_on_ranks(_on_ranks, tp, cp, dtensor, world_size=tp * cp, timeout=600)
     problems = [p for r in results for p in (r if isinstance(r, list) else [r]) if isinstance(p, str)]
     assert problems == []
     losses = [[p[2] for p in r if isinstance(p, tuple)] for r in results]
