@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from compiled_loss.checks import ConfigError, require
 from compiled_loss.config import ModelConfig
-from compiled_loss.demo.model import TinyLM, fused_head_input, local_part
+from compiled_loss.demo.model import TinyLM
 from compiled_loss.integrations.hf import head_transform
 from compiled_loss.vocab import LinearLogits
 
@@ -155,9 +155,9 @@ class HFCausalLM(nn.Module):
 
     Tensor parallel (`compiled_loss.train.shard_model` with `tp_plan()`): the logits are a
     DTensor sharded on the vocabulary (`Shard(-1)`), with `linear_logits=True` the head's
-    weight and bias are this rank's vocabulary rows, and `full_vocab=True` returns the whole
-    logits as a plain tensor. Generation (`prefill`, `decode`) always returns
-    full-vocabulary logits.
+    weight and bias are DTensors sharded on their rows (the loss's edge unwraps them), and
+    `full_vocab=True` returns the whole logits as a plain tensor. Generation (`prefill`,
+    `decode`) always returns full-vocabulary logits.
 
     Dropout is off in every mode (`train`). Under a meta default device
     (`torch.device("meta")`) the model is built from the checkpoint's config without
@@ -247,9 +247,7 @@ class HFCausalLM(nn.Module):
         hidden = self._hidden(input_ids, position_ids, mask[:, None])
         if linear_logits:
             head = self.lm.get_output_embeddings()
-            bias = None if head.bias is None else local_part(head.bias)
-            hidden = fused_head_input(hidden, head.weight)
-            return self.head_transform.linear(hidden, local_part(head.weight), bias)
+            return self.head_transform.linear(hidden, head.weight, head.bias)
         return self._logits(hidden, full_vocab)
 
     def prefill(self, input_ids: Tensor, lengths: Tensor, cache_len: int) -> tuple[Tensor, Tensor]:

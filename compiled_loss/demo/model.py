@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from compiled_loss.config import ModelConfig
@@ -19,22 +19,6 @@ from compiled_loss.draft.runtime import aux_hidden_states
 from compiled_loss.vocab import LinearLogits
 
 Tensor = torch.Tensor
-
-
-def local_part(x: Tensor) -> Tensor:
-    """A DTensor parameter's local shard (differentiable); a plain tensor as it is."""
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
-def fused_head_input(hidden: Tensor, weight: Tensor) -> Tensor:
-    """The hidden states the fused LM head (`LinearLogits`) reads: under tensor parallelism
-    (a DTensor `weight`, this rank's vocabulary rows) replicated over the TP ranks, whose
-    partial gradients (each shard's share of dH) are summed in the backward (Megatron's
-    copy-to-region; the TP plan's column-wise head does the same for the dense logits)."""
-    if not isinstance(weight, DTensor):
-        return hidden
-    mesh = weight.device_mesh
-    return DTensor.from_local(hidden, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
 
 class Block(nn.Module):
@@ -82,8 +66,9 @@ class TinyLM(nn.Module):
 
     Tensor parallel (`compiled_loss.train.shard_model` with `tp_plan()`): the logits are a
     DTensor sharded on the vocabulary (`Shard(-1)`), and with `linear_logits=True` the head's
-    weight is this rank's vocabulary rows; `full_vocab=True` returns the whole logits as a
-    plain tensor. Generation (`prefill`, `extend`, `decode`) always returns full-vocabulary
+    weight is a DTensor sharded on its rows (the loss's edge unwraps both:
+    `compiled_loss.vocab.shards`); `full_vocab=True` returns the whole logits as a plain
+    tensor. Generation (`prefill`, `extend`, `decode`) always returns full-vocabulary
     logits."""
 
     def __init__(self, cfg: ModelConfig, value_head: bool = False) -> None:
@@ -116,8 +101,7 @@ class TinyLM(nn.Module):
             x = block(x, mask[:, None])
             hidden.append(x)
         if linear_logits:
-            weight = self.head.weight
-            return LinearLogits(fused_head_input(self.norm(x), weight), local_part(weight))
+            return LinearLogits(self.norm(x), self.head.weight)
         logits = self._logits(self.norm(x)) if full_vocab else self.head(self.norm(x))
         return (logits, hidden) if return_hidden else logits
 

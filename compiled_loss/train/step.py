@@ -80,7 +80,7 @@ from compiled_loss.train.parallel import (
     gradient_scale,
 )
 from compiled_loss.train.recorder import CompileRecorder
-from compiled_loss.vocab import TrainingSamplingParams, per_position
+from compiled_loss.vocab import LinearLogits, TrainingSamplingParams, per_position
 from compiled_loss.vocab.shards import local_logits
 
 Tensor = torch.Tensor
@@ -93,11 +93,7 @@ def _captured(
     (`aux_layers`) also the `DraftBatch` it captured: the raw logits (before temperature)
     and the auxiliary layers' outputs, detached."""
     if aux_layers is None:
-        return (
-            model(ids, positions, segments, linear_logits=True)
-            if linear_logits
-            else _local(model(ids, positions, segments))
-        ), None
+        return _local(model(ids, positions, segments, **({"linear_logits": True} if linear_logits else {}))), None
     logits, hidden = model(ids, positions, segments, return_hidden=True)
     logits = _local(logits)
     batch = DraftBatch(
@@ -112,10 +108,10 @@ def _captured(
     return logits, batch
 
 
-def _local(logits: Tensor) -> Tensor:
+def _local(logits: Tensor | LinearLogits) -> Tensor | LinearLogits:
     """The model's logits as this rank's vocabulary shard: a tensor-parallel model's DTensor
-    (`Shard(-1)`) unwrapped at the edge (`compiled_loss.vocab.shards`; its gradient flows back
-    into the DTensor)."""
+    (`Shard(-1)`), or its LM head's DTensor rows, unwrapped at the edge
+    (`compiled_loss.vocab.shards`; the gradient flows back into the DTensors)."""
     return local_logits(logits, ParallelGroups(), "TrainStep")[0]
 
 
