@@ -94,6 +94,18 @@ def test_first_step_equals_the_single_process_run(single, sizes, tmp_path, reque
     print(f"torchrun {' '.join(sizes)}: {seconds:.1f} s wall, state per rank {ratio:.3f}x one process's")
 
 
+def test_a_sharded_checkpoint_resumes_on_another_layout(tmp_path):
+    """A run at tp=2 dp_shard=2 saves after step 1 (the state gathered whole); one process, and a
+    tp=2 run, resume from it and train step 2 as the uninterrupted run does."""
+    want, _, _ = _run(tmp_path / "sharded", "parallel.tp=2", "parallel.dp_shard=2", "run.save_every=1", procs=4)
+    checkpoint = tmp_path / "sharded" / "checkpoints" / "step_1.pt"
+    for sizes, procs in (((), 1), (("parallel.tp=2",), 2)):
+        got, _, _ = _run(tmp_path / f"resumed{procs}", *sizes, f"run.resume={checkpoint}", procs=procs)
+        assert [s["step"] for s in got] == [1, 2]
+        for key in COMPARED:
+            assert got[1][key] == pytest.approx(want[1][key], rel=1e-5, abs=1e-6), (sizes, key)
+
+
 def test_two_nodes_on_localhost_train_the_first_step_of_one_process(single, tmp_path):
     """The README's multi-node command, simulated: two torchrun agents on this machine (`--nnodes
     2 --nproc-per-node 2`, c10d rendezvous), `parallel.tp=2 parallel.dp_shard=2`: the first
