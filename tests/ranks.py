@@ -5,6 +5,7 @@ module on the path). An exception on a rank is returned as `"<Type>: <message>"`
 that outlives `timeout` is killed and fails the test, so nothing hangs.
 
 Inside a rank: `tp_cp_groups` builds the tensor- and context-parallel groups of a grid,
+`mesh_groups` a training run's mesh and groups (what `init_parallel` builds under torchrun),
 `context_local` takes this rank's context-parallel positions of a full tensor.
 """
 
@@ -68,6 +69,17 @@ def tp_cp_groups(rank: int, world: int, tp: int, cp: int) -> tuple[Any, Any]:
             ranks = [base + c * tp + t for c in range(cp)]
             cp_groups.update(dict.fromkeys(ranks, dist.new_group(ranks)))
     return (tp_groups[rank] if tp > 1 else None), (cp_groups[rank] if cp > 1 else None)
+
+
+def mesh_groups(world: int, **sizes: int):
+    """`init_parallel`'s mesh and groups for `ParallelConfig(**sizes)` on the spawned ranks."""
+    import os
+
+    from compiled_loss.config import ParallelConfig
+    from compiled_loss.train.parallel import init_parallel
+
+    os.environ["WORLD_SIZE"] = str(world)
+    return init_parallel(ParallelConfig(**sizes))
 
 
 def context_local(x: torch.Tensor, cp_group: Any, cu_seqlens_padded: tuple[int, ...] | None = None) -> torch.Tensor:

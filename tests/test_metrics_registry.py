@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from cases import CASE_BY_NAME, CASES, globals_for, make_batch
 from common import message
-from ranks import run_on_ranks
+from ranks import mesh_groups, run_on_ranks
 
 from compiled_loss.app import compose_config
 from compiled_loss.app.batches import annotate_cross_tokenizer, sample_batch
@@ -33,7 +33,7 @@ from compiled_loss.loss_input import prepare_loss_input
 from compiled_loss.losses import MPOLossFn
 from compiled_loss.metrics import aggregation, combine_metrics
 from compiled_loss.train import build_train_step
-from compiled_loss.train.parallel import ParallelGroups, combine_over
+from compiled_loss.train.parallel import ParallelGroups, combine_over, shard_model
 from compiled_loss.wrapper import DraftLossWrapper, wrap_loss_fn_with_input_preparation
 
 # the keys the step adds once per step, and the ratios `with_ratios` derives: not fragments
@@ -247,7 +247,9 @@ def _cross_tokenizer_step(
     batch["teacher_0_logits"] = batch["teacher_0_logits"] * 100
     batch["teacher_1_logits"] = torch.zeros_like(batch["teacher_1_logits"])
     batch = {k: v[rows] for k, v in batch.items()}
-    step = build_train_step(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), groups, loss_fn=loss_fn)
+    step = build_train_step(
+        cfg, shard_model(model, groups), torch.optim.SGD(model.parameters(), lr=0.0), groups, loss_fn=loss_fn
+    )
     return step(batch).metrics
 
 
@@ -276,11 +278,8 @@ def test_cross_tokenizer_metrics_at_four_micro_batches(mode):
 def _on_two_replicas(rank: int, world: int) -> dict:
     """Each replica's half of the rows in 2 micro-batches (the single process's 4), then
     `combine_over` with 1 and 2 fragments, then with a key rank 0 does not carry."""
-    group = dist.group.WORLD
-    out: dict = {
-        mode: _cross_tokenizer_step(mode, 2, ParallelGroups(dp=group), slice(4 * rank, 4 * rank + 4))
-        for mode in ONE_FRAGMENT
-    }
+    group, groups = dist.group.WORLD, mesh_groups(world, dp=world)
+    out: dict = {mode: _cross_tokenizer_step(mode, 2, groups, slice(4 * rank, 4 * rank + 4)) for mode in ONE_FRAGMENT}
     parts = [
         [{"kl_loss_scale": 1.0, "loss": 1.0, "probs_ratio_min": 0.5}],
         [

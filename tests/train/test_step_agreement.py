@@ -1,5 +1,5 @@
 """The training step on real gloo ranks handed batches that cannot run together: a different
-number of micro-batches on two data-parallel replicas (DDP's gradient all-reduce would
+number of micro-batches on two data-parallel replicas (FSDP2's gradient reduction would
 wait forever for the missing one), and different rows on two tensor-parallel ranks of one
 replica (the vocabulary collectives would meet different shapes). Every rank raises the
 same clear error, within the test's timeout, before any collective of the step runs."""
@@ -10,16 +10,15 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from common import SMALL_RUN
 from hydra import compose, initialize_config_module
-from ranks import run_on_ranks
+from ranks import mesh_groups, run_on_ranks
 
 from compiled_loss.app import load_config
 from compiled_loss.app.batches import sample_batch
 from compiled_loss.demo.model import TinyLM
 from compiled_loss.train import build_train_step
-from compiled_loss.train.parallel import ParallelGroups
+from compiled_loss.train.parallel import shard_model
 
 pytestmark = pytest.mark.slow  # spawns process groups
 
@@ -30,9 +29,8 @@ def _step_on_rank(rank: int, world: int, axis: str, rows: tuple[int, int]) -> st
     with initialize_config_module(version_base="1.3", config_module="compiled_loss.conf"):
         cfg = load_config(compose(config_name="config", overrides=[*SMALL, f"parallel.{axis}={world}"]))
     torch.manual_seed(0)
-    tp = (rank, world) if axis == "tp" else (0, 1)
-    policy = TinyLM(cfg.model, vocab_shard=tp)
-    groups = ParallelGroups(**{axis: dist.group.WORLD})
+    groups = mesh_groups(world, **{axis: world})
+    policy = shard_model(TinyLM(cfg.model), groups)
     step = build_train_step(cfg, policy, torch.optim.SGD(policy.parameters(), lr=0.1), groups)
     batch = sample_batch(cfg.data, cfg.model.vocab_size, random.Random(rank if axis == "dp" else 0), clean=True)
     step({k: v[: rows[rank]] for k, v in batch.items()})
