@@ -8,6 +8,8 @@ For generation it also runs over a static key/value cache (`prefill`, `decode`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,9 +18,21 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from compiled_loss.config import ModelConfig
 from compiled_loss.draft.runtime import aux_hidden_states
+from compiled_loss.packing.context import ContextShards
+from compiled_loss.parallel.collectives import gather_context_parallel
 from compiled_loss.vocab import LinearLogits
 
 Tensor = torch.Tensor
+
+
+def _every_rank(x: Tensor, group: Any, gather_index: Tensor) -> Tensor:
+    """Keys or values `[R, heads, L_local, d]` of this context-parallel rank's slots → those of
+    every rank's, `[R, heads, L, d]` in the layout's global order (the all-gather's backward
+    sums every rank's gradient and keeps this rank's block)."""
+    rows, heads, length, d = x.shape
+    flat = x.permute(0, 2, 1, 3).reshape(rows * length, heads, d)
+    whole = gather_context_parallel(flat, group).flatten(0, 1).index_select(0, gather_index)
+    return whole.view(rows, -1, heads, d).permute(0, 2, 1, 3)
 
 
 class Block(nn.Module):
@@ -35,21 +49,31 @@ class Block(nn.Module):
         self.up = nn.Linear(h, cfg.mlp_ratio * h, bias=False)
         self.down = nn.Linear(cfg.mlp_ratio * h, h, bias=False)
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """`x [R, L, H]`, `mask` broadcastable to `[R, heads, L, L]` → the block's output (the
-        training forward: what FSDP2 runs as the block's unit)."""
-        return self.attend(x, mask)[0]
+    def forward(self, x: Tensor, mask: Tensor, context: tuple[Any, Tensor] | None = None) -> Tensor:
+        """`x [R, L, H]`, `mask` broadcastable to `[R, heads, L, keys]` → the block's output (the
+        training forward: what FSDP2 runs as the block's unit). `context` (a context-parallel
+        group and `ContextShards.gather_index`): `x` holds this rank's slots, and attention
+        reads the keys and values of every rank's, in the layout's global order."""
+        return self.attend(x, mask, context=context)[0]
 
     def attend(
-        self, x: Tensor, mask: Tensor, cache: Tensor | None = None, slots: Tensor | None = None
+        self,
+        x: Tensor,
+        mask: Tensor,
+        cache: Tensor | None = None,
+        slots: Tensor | None = None,
+        context: tuple[Any, Tensor] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """`x [R, L, H]`, `mask` broadcastable to `[R, heads, L, keys]` → the block's output
         and the keys and values attention read (`[R, heads, keys, H / heads]` each). With a
         `cache` (`[2, R, heads, C, H / heads]`) this call's keys and values go to the cache
-        slots `slots [R, L]`, and attention reads the whole cache (generation)."""
+        slots `slots [R, L]`, and attention reads the whole cache (generation); `context`: as
+        `forward`."""
         rows, length, _ = x.shape
         y = self.norm1(x)  # heads: all of them, or this rank's under tensor parallelism
         q, k, v = (m(y).view(rows, length, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        if context is not None:
+            k, v = (_every_rank(t, *context) for t in (k, v))
         if cache is not None:
             index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
             k, v = cache[0].scatter(2, index, k), cache[1].scatter(2, index, v)
@@ -71,6 +95,9 @@ class TinyLM(nn.Module):
     tensor. Generation (`prefill`, `extend`, `decode`) always returns full-vocabulary
     logits."""
 
+    context_parallel = True
+    """`forward` takes `context=`: under context parallelism it runs one rank's slots."""
+
     def __init__(self, cfg: ModelConfig, value_head: bool = False) -> None:
         super().__init__()
         self.cfg, self.value_head = cfg, value_head
@@ -91,14 +118,27 @@ class TinyLM(nn.Module):
         return_hidden: bool = False,
         full_vocab: bool = False,
         linear_logits: bool = False,
+        context: tuple[ContextShards, Tensor] | None = None,
     ) -> Tensor | LinearLogits | tuple[Tensor, list[Tensor]]:
-        length = input_ids.shape[1]
-        index = torch.arange(length, device=input_ids.device)
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (index[None, :] <= index[:, None])
+        """`context` (`ContextShards` of the layout and its segment ids `[R, L]`): the inputs are
+        this context-parallel rank's slots `[R, L / cp]`, and every block attends over every
+        rank's keys and values; the outputs are this rank's slots'."""
+        if context is None:
+            index = torch.arange(input_ids.shape[1], device=input_ids.device)
+            mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (index[None, :] <= index[:, None])
+            keys = None
+        else:
+            shards, key_segments = context
+            rows, width = key_segments.shape
+            offset = torch.arange(rows, device=input_ids.device)[:, None] * width
+            query = shards.local_to_global.view(rows, -1) - offset  # each local slot's place in its row
+            index = torch.arange(width, device=input_ids.device)
+            mask = (segment_ids[:, :, None] == key_segments[:, None, :]) & (index[None, None, :] <= query[:, :, None])
+            keys = (shards.group, shards.gather_index)
         x = self.embed(input_ids) + self.pos(position_ids)
         hidden = [x]
         for block in self.blocks:
-            x = block(x, mask[:, None])
+            x = block(x, mask[:, None], keys)
             hidden.append(x)
         if linear_logits:
             return LinearLogits(self.norm(x), self.head.weight)

@@ -87,24 +87,54 @@ Tensor = torch.Tensor
 
 
 def _captured(
-    model, ids, positions, segments, *, aux_layers, linear_logits=False, documents=None, loss_mask=None, noise=None
+    model,
+    ids,
+    positions,
+    segments,
+    shards=None,
+    *,
+    aux_layers,
+    linear_logits=False,
+    documents=None,
+    loss_mask=None,
+    noise=None,
 ):
-    """The model forward (`linear_logits`: the model returns `LinearLogits`); with a drafter
-    (`aux_layers`) also the `DraftBatch` it captured: the raw logits (before temperature)
-    and the auxiliary layers' outputs, detached."""
+    """The model forward on `[R, L]` inputs (`linear_logits`: the model returns
+    `LinearLogits`) and this context-parallel rank's slots of its logits (`shards`, None
+    without context parallelism); with a drafter (`aux_layers`) also the `DraftBatch` it
+    captured: the raw logits (before temperature) and the auxiliary layers' outputs,
+    detached, of every slot. A model that declares `context_parallel` runs this rank's slots
+    only, attending over every rank's keys and values (`context=`); the drafter's inputs are
+    then gathered from every rank. Any other model runs every slot and keeps this rank's."""
+    rows = ids.shape[0]
+    sharded = shards is not None and getattr(model, "context_parallel", False)
+
+    def local(x):  # a global [R, L, ...] tensor's slots of this rank, [R, L / cp, ...]
+        return shards.local(x.flatten(0, 1)).view(rows, -1, *x.shape[2:])
+
+    def whole(x):  # this rank's slots' [R, L / cp, ...] → every slot's, [R, L, ...] (no gradient)
+        return shards.gather(x.detach().flatten(0, 1)).view(rows, -1, *x.shape[2:])
+
+    inputs = (local(ids), local(positions), local(segments)) if sharded else (ids, positions, segments)
+    kwargs = {"context": (shards, segments)} if sharded else {}
     if aux_layers is None:
-        return _local(model(ids, positions, segments, **({"linear_logits": True} if linear_logits else {}))), None
-    logits, hidden = model(ids, positions, segments, return_hidden=True)
-    logits = _local(logits)
-    batch = DraftBatch(
-        input_ids=ids,
-        hidden_states=aux_hidden_states(hidden, aux_layers),
-        teacher_logits=logits.detach(),
-        loss_mask=loss_mask,
-        document_ids=documents,
-        position_ids=positions,
-        anchor_noise=noise,
-    )
+        logits = _local(model(*inputs, **kwargs, **({"linear_logits": True} if linear_logits else {})))
+        batch = None
+    else:
+        logits, hidden = model(*inputs, **kwargs, return_hidden=True)
+        logits = _local(logits)
+        hidden = [whole(h) for h in hidden] if sharded else hidden
+        batch = DraftBatch(
+            input_ids=ids,
+            hidden_states=aux_hidden_states(hidden, aux_layers),
+            teacher_logits=whole(logits) if sharded else logits.detach(),
+            loss_mask=loss_mask,
+            document_ids=documents,
+            position_ids=positions,
+            anchor_noise=noise,
+        )
+    if shards is not None and not sharded:
+        logits = per_position(logits, local)
     return logits, batch
 
 
@@ -120,23 +150,24 @@ def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_log
     this CP rank's slots of it, and the drafter's `DraftBatch` (or None)."""
     positions = torch.where(layout.slot_col < layout.tokens, layout.slot_col, 0)
     ids = layout.pack(data["input_ids"])[None]
-    if aux_layers is None:
-        logits, batch = _captured(
-            model, ids, positions[None], layout.slot_row[None], aux_layers=None, linear_logits=linear_logits
-        )
-    else:
+    capture = {}
+    if aux_layers is not None:
         real = layout.slot_col < layout.row_len[layout.slot_row]
-        logits, batch = _captured(
-            model,
-            ids,
-            positions[None],
-            layout.slot_row[None],
-            aux_layers=aux_layers,
+        capture = dict(
             documents=torch.where(real, layout.slot_row, -1)[None],
             loss_mask=layout.pack(data["token_mask"] * data["sample_mask"][:, None])[None],
             noise=layout.pack(data["anchor_noise"])[None],
         )
-    logits = per_position(logits, lambda x: layout.local(x[0])[None])
+    logits, batch = _captured(
+        model,
+        ids,
+        positions[None],
+        layout.slot_row[None],
+        layout.shards,
+        aux_layers=aux_layers,
+        linear_logits=linear_logits,
+        **capture,
+    )
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 
@@ -148,26 +179,25 @@ def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_lay
     pad = -data["input_ids"].shape[1] % (2 * cp_size)
     ids = torch.nn.functional.pad(data["input_ids"], (0, pad))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    if aux_layers is None:
-        logits, batch = _captured(
-            model, ids, positions, torch.zeros_like(ids), aux_layers=None, linear_logits=linear_logits
-        )
-    else:  # the drafter reads whole rows (the context-parallel padding masked out)
+    shards = ContextShards.of_rows(*ids.shape, cp, ids.device) if cp_size > 1 else None
+    capture = {}
+    if aux_layers is not None:  # the drafter reads whole rows (the context-parallel padding masked out)
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-        logits, batch = _captured(
-            model,
-            ids,
-            positions,
-            torch.zeros_like(ids),
-            aux_layers=aux_layers,
+        capture = dict(
             documents=torch.where(positions < data["input_lengths"][:, None], rows, -1),
             loss_mask=torch.nn.functional.pad(data["token_mask"] * data["sample_mask"][:, None], (0, pad)),
             noise=torch.nn.functional.pad(data["anchor_noise"], (0, pad)),
         )
-    if cp_size > 1:
-        rows, width = ids.shape
-        shards = ContextShards.of_rows(rows, width, cp, ids.device)
-        logits = per_position(logits, lambda x: shards.local(x.flatten(0, 1)).reshape(rows, width // cp_size, -1))
+    logits, batch = _captured(
+        model,
+        ids,
+        positions,
+        torch.zeros_like(ids),
+        shards,
+        aux_layers=aux_layers,
+        linear_logits=linear_logits,
+        **capture,
+    )
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 

@@ -4,8 +4,10 @@ several parallel sizes (below): the first step's loss, every metric and
 every policy parameter's gradient equal the single process's (cross-tokenizer distillation
 runs at tp = cp = 1 only: under tp or cp the config refuses it). The model is sharded with
 torch.distributed's engine (`shard_model`): at (tp, cp, dp, dp_shard) ∈ {(2,1,1,1),
-(1,2,1,1), (1,1,2,1), (2,2,1,1), (1,1,1,2), (2,1,1,2)} — the TP plan, FSDP2 over cp and
-dp_shard, HSDP's replicas over dp — and every gradient is gathered whole (`full_tensor`).
+(1,2,1,1), (1,1,2,1), (2,2,1,1), (1,1,1,2), (2,1,1,2)} — the TP plan, the sequence over
+cp (each rank's slots through the model, attention over the group's keys and values),
+FSDP2 over cp and dp_shard, HSDP's replicas over dp — and every gradient is gathered whole
+(`full_tensor`). `model=hf` and the co-trained drafters at some of those sizes: `EXTRA`.
 
 The worker (`grid_worker.py`) builds each case as the runner does (`build_run`: seeded
 models, loss, step, rollouts; eager, fp32, one step, no gradient clipping) and moves the
@@ -121,6 +123,7 @@ def test_every_loss_and_head_equals_the_single_process(single, sizes, tmp_path):
 
 EXTRA = {  # EXTRA_CASES (grid_worker.py) at the sizes each runs at: (the single process's case, the parallel run's)
     (2, 1, 1, 1): [(name, name) for name in ("hf-clipped_pg", "hf-dpo-fused_head", "eagle3", "dflash")],
+    (1, 2, 1, 1): [(name, name) for name in ("eagle3", "dflash")],  # the hidden states gathered from the CP ranks
     # EAGLE-3 at one micro-batch per data-parallel rank (as tests/app/test_torchrun.py). DFlash draws a static
     # number of anchors per data-parallel rank: by design its data-parallel runs draw other anchors than one
     # process does
@@ -131,7 +134,7 @@ EXTRA = {  # EXTRA_CASES (grid_worker.py) at the sizes each runs at: (the single
 @pytest.mark.parametrize("sizes", list(EXTRA), ids=lambda s: "tp{}cp{}dp{}dp_shard{}".format(*s))
 def test_hf_model_and_drafters_equal_the_single_process(sizes, tmp_path):
     """`model=hf` under its TP plan on two losses (dense and fused head), and both co-trained
-    drafters (the drafter's gradients too): loss, every metric, every gradient."""
+    drafters at tp=2 and cp=2 (the drafter's gradients too): loss, every metric, every gradient."""
     pairs = EXTRA[sizes]
     want = _grid(tmp_path / "single.pt", 1, 1, 1, 1, *(single for single, _ in pairs))
     got = _grid(tmp_path / "grid.pt", *sizes, *(parallel for _, parallel in pairs))
