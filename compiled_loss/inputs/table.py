@@ -79,11 +79,13 @@ def _check_logits(logits: Logits, spec: InputSpec, name: str, options: PrepareOp
 def _check_data(logits: Logits, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions, who: str) -> None:
     """The batch's shapes and dtypes (`check_batch_shapes`: static, so a compiled call refuses
     a bad batch while tracing) and, in eager mode, the token ids the input type reads against
-    the vocabulary `V = V_local · tp` (one host read; see `check_token_ids`)."""
+    the vocabulary `V = V_local · tp`, or the real one of padded shards (one host read; see
+    `check_token_ids`)."""
     check_batch_shapes(data, who)
     key = _TOKEN_ID_KEY.get(spec.input_type)
     if key is not None and not spec.fused_linear_logprobs:
-        check_token_ids(data, (key,), logits.shape[-1] * options.parallel.sizes[0], who)
+        vocab = options.parallel.vocab_size or logits.shape[-1] * options.parallel.sizes[0]
+        check_token_ids(data, (key,), vocab, who)
 
 
 def _rows_width(logits: Logits, data: Mapping[str, Tensor]) -> int:
@@ -131,6 +133,10 @@ class Preparation:
         self, logits: Logits, data: Mapping[str, Tensor], layout: PackedLayout | None, parallel: ParallelGroups
     ) -> tuple[dict[str, Any], dict[str, Tensor]]:
         options = self.options
-        if parallel.tp is not options.parallel.tp or parallel.cp is not options.parallel.cp:  # DTensor logits' groups
+        if parallel is not options.parallel and (  # the groups of DTensor logits
+            parallel.tp is not options.parallel.tp
+            or parallel.cp is not options.parallel.cp
+            or parallel.vocab_size != options.parallel.vocab_size
+        ):
             options = dataclasses.replace(options, parallel=parallel)
         return prepare_inputs(logits, data, self.loss_fn, self.spec, options, layout), dict(data)

@@ -50,6 +50,9 @@ class ParallelGroups:
     cp: Any = None
     dp: Any = None
     mesh: Any = None
+    vocab_size: int | None = None
+    """The vocabulary's size where its `tp` shards were padded to equal widths (uneven DTensor
+    shards, `compiled_loss.vocab.shards`); None: `V_local · tp`."""
 
     @staticmethod
     def of_seed(

@@ -20,7 +20,8 @@ Accepted layouts (NeMo-RL's DTensor path and torchtitan's loss parallel build th
 The vocabulary shards may be uneven (V = 50257 over 2 or 4 ranks: torch's chunking gives
 every rank `ceil(V / tp)` ids but the last ones): a narrower shard is padded to the widest
 with its dtype's lowest value (a copy of that shard), so every rank's offset is `rank ·
-ceil(V / tp)`, the primitive's. The gradient flows back into the DTensor with its
+ceil(V / tp)`, the primitive's; `ParallelGroups.vocab_size` keeps the real `V`, which the
+eager id check reads. The gradient flows back into the DTensor with its
 placements. Anything else — a `Partial` placement, a mesh of other dimension names, a
 shard of another dimension, a group argument that is not the mesh's — is a ValueError
 naming it, raised alike on every rank before any collective.
@@ -128,6 +129,7 @@ def _local_linear(logits: LinearLogits, parallel: ParallelGroups, who: str) -> t
             bias = weight.new_zeros(weight.shape[0]) if bias is None else bias
             bias = _pad_vocab(bias, vocab, tp, torch.finfo(logits.dtype).min)
             weight = F.pad(weight, (0, 0, 0, bias.shape[0] - weight.shape[0]))
+            parallel = dataclasses.replace(parallel, vocab_size=vocab)
     return dataclasses.replace(logits, hidden=hidden, weight=weight, bias=bias), parallel
 
 
@@ -143,8 +145,9 @@ def local_logits(logits: Any, parallel: ParallelGroups, who: str) -> tuple[Any, 
     parallel = _groups(who, dims, parallel)
     vocab = logits.shape[-1]
     local = logits.to_local()
-    if parallel.tp is not None:
+    if parallel.tp is not None and vocab % dist.get_world_size(parallel.tp):
         local = _pad_vocab(local, vocab, dist.get_world_size(parallel.tp), torch.finfo(local.dtype).min)
+        parallel = dataclasses.replace(parallel, vocab_size=vocab)
     return local, parallel
 
 

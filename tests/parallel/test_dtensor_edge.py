@@ -102,6 +102,14 @@ def _uneven_and_replicated(rank: int, world: int) -> list[str]:
     got = wrapper(logits, data, gs, gt)
     (grad,) = torch.autograd.grad(got[0], logits)
     _check(got, want, grad.full_tensor(), want_grad, "fused wrapper")
+    # an id of the padding (7, beyond V = 7) is refused as on full logits
+    bad = {**data, "input_ids": data["input_ids"].clone().index_fill_(1, torch.tensor([1]), UNEVEN)}
+    try:
+        prepare_loss_input(distribute_tensor(full, mesh, [Shard(2)]), bad, case.make_loss())
+    except ValueError as e:
+        assert "must hold token ids in [0, 7) (the vocabulary), got 7" in str(e), e
+    else:
+        raise AssertionError("an id beyond the vocabulary was accepted")
     return checked + ["map_teacher_logits_to_draft_vocab", "fused wrapper"]
 
 
