@@ -23,8 +23,9 @@ bucket it had already compiled.
     compiled-loss-audit --target mypkg.losses:my_loss --inputs mypkg.losses:samples
     torchrun --nproc-per-node 4 -m compiled_loss.audit.cli tp=2 cp=2 loss=clipped_pg packing=fused
 
-With `tp=`, `cp=`, `dp=` (under torchrun, their product ranks) every rank drives the
-compiled training step with its process groups, and rank 0 reports every rank's rows.
+With `tp=`, `cp=`, `dp=`, `dp_shard=` (under torchrun, their product ranks) every rank
+drives the compiled training step with its process groups and the model sharded, and rank
+0 reports every rank's rows.
 
 `--target` audits any callable (its module is imported with the current directory first
 on the path): the `--inputs` factory returns an iterable of `(args, kwargs)` samples; a
@@ -281,7 +282,7 @@ def drive(
 # ---- the project's own matrix ---------------------------------------------------------
 
 
-def _config(c: Configuration, steps: int, sizes: tuple[int, int, int] = (1, 1, 1)):
+def _config(c: Configuration, steps: int, sizes: tuple[int, ...] = (1, 1, 1, 1)):
     from compiled_loss.app import compose_config
 
     overrides = [
@@ -292,7 +293,7 @@ def _config(c: Configuration, steps: int, sizes: tuple[int, int, int] = (1, 1, 1
         f"model.dtype={'bfloat16' if c.dtype == 'bf16' else 'float32'}",
         f"run.steps={steps}",
         *_SIZES,
-        *(f"parallel.{k}={n}" for k, n in zip(("tp", "cp", "dp"), sizes)),
+        *(f"parallel.{k}={n}" for k, n in zip(_SIZES_KEYS, sizes)),
         *c.overrides(),
     ]
     return compose_config(*overrides)
@@ -518,22 +519,23 @@ def audit_matrix(configs: list[Configuration], batches: int, steps: int) -> list
     return drives
 
 
-def audit_distributed(configs: list[Configuration], steps: int, sizes: tuple[int, int, int]) -> list[Drive]:
-    """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp)
-    groups; every rank returns every rank's drives (the step's loss graph, and the model,
-    decoder layers, which compile apart inside FSDP2's units), labelled with their rank."""
+def audit_distributed(configs: list[Configuration], steps: int, sizes: tuple[int, ...]) -> list[Drive]:
+    """Under torchrun: every rank drives the compiled training step with its (tp, cp, dp,
+    dp_shard) groups, the model sharded; every rank returns every rank's drives (the step's
+    loss graph, and the decoder layers, which compile apart inside FSDP2's units), labelled
+    with their rank."""
     import torch.distributed as dist
 
     from compiled_loss.config import ParallelConfig
     from compiled_loss.train.parallel import init_parallel
 
-    tp, cp, dp = sizes
-    groups = init_parallel(ParallelConfig(tp=tp, cp=cp, dp=dp))
+    parallel = ParallelConfig(**dict(zip(_SIZES_KEYS, sizes)))
+    groups = init_parallel(parallel)
     mine: list[Drive] = []
     for i, c in enumerate(configs, 1):
-        label = f"{c.label} tp{tp}cp{cp}dp{dp}"
+        label = f"{c.label} " + "".join(f"{k}{n}" for k, n in zip(_SIZES_KEYS, sizes) if k != "dp_shard" or n > 1)
         if groups.rank == 0:
-            print(f"[{i}/{len(configs)}] {label} ({c.backend}, {tp * cp * dp} ranks)", flush=True)
+            print(f"[{i}/{len(configs)}] {label} ({c.backend}, {parallel.world} ranks)", flush=True)
         mine += _audit_step(_config(c, steps, sizes), f"rank {groups.rank} {label} step", label, seed=i, groups=groups)
     gathered: list[Any] = [None] * groups.rank_count
     dist.all_gather_object(gathered, mine)
@@ -640,7 +642,8 @@ def markdown(drives: list[Drive]) -> str:
 
 _CHOICES = {"loss": LOSSES, "packing": PACKINGS, "draft": DRAFTS, "dtype": DTYPES, "head": HEADS, "metrics": METRICS}
 _ONE_CHOICE = ("head", "metrics")  # a run audits one LM-head path and one metrics level
-_COUNTS = {"batches": 1, "steps": 1, "tp": 1, "cp": 1, "dp": 1}  # whole numbers, with their least value
+_SIZES_KEYS = ("tp", "cp", "dp", "dp_shard")  # the parallel sizes, as `parallel.*` names them
+_COUNTS = {"batches": 1, "steps": 1, **dict.fromkeys(_SIZES_KEYS, 1)}  # whole numbers, with their least value
 
 
 def _parse_overrides(items: list[str]) -> dict[str, list[str]]:
@@ -678,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides",
         nargs="*",
         help="loss=…, packing=…, draft=…, dtype=…, head=logits|linear, metrics=full|minimal, batches=N, steps=N, "
-        "backend=…; tp=N cp=N dp=N under torchrun",
+        "backend=…; tp=N cp=N dp=N dp_shard=N under torchrun",
     )
     parser.add_argument("--target", help="audit a callable instead: package.module:function")
     parser.add_argument("--inputs", help="with --target: package.module:factory returning (args, kwargs) samples")
@@ -693,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--inputs and --no-fullgraph go with --target")
     if args.target is not None and (args.inputs is None or args.full or set(opts) - {"backend"}):
         parser.error("--target needs --inputs, and takes neither --full nor any override but backend=")
-    sizes = tuple(int(opts.get(k, ["1"])[0]) for k in ("tp", "cp", "dp"))
+    sizes = tuple(int(opts.get(k, ["1"])[0]) for k in _SIZES_KEYS)
     lead = int(os.environ.get("RANK", "0")) == 0
     if lead:
         print(HEADER, flush=True)
@@ -703,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = opts.get("backend", ["inductor"])[0]
         drives = [audit_target(args.target, args.inputs, backend, fullgraph=not args.no_fullgraph)]
         print(_line(drives[0]))
-    elif sizes != (1, 1, 1):
+    elif sizes != (1,) * len(_SIZES_KEYS):
         configs, _, steps = configurations(opts, args.full)
         drives = audit_distributed(configs, int(opts.get("steps", [steps])[0]), sizes)
         if lead:
