@@ -13,11 +13,13 @@ import torch.distributed as dist
 
 
 def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
-    """Whether `a` and `b` hold the same ranks (None: no group); the same object is (no call)."""
+    """Whether `a` and `b` hold the same ranks (None, or a group of one rank: no group); the
+    same object is (no call)."""
     if a is b:
         return True
+    a, b = (g if group_size(g) > 1 else None for g in (a, b))
     if a is None or b is None:
-        return False
+        return a is b
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 

@@ -10,6 +10,7 @@ the mesh; `shard_model` shards a model on it with FSDP2 and a DTensor TP plan.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -48,6 +49,7 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(dist.destroy_process_group)  # the backend's threads stopped before the interpreter exits
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # the model's mesh: FSDP2 shards over dp_shard × cp (replicated over dp), the TP plan over tp
     mesh = dist.device_mesh.init_device_mesh(
