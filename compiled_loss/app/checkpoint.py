@@ -6,12 +6,14 @@ the warm start is over), the drafter, both optimizers (the warm start's and the 
 the prompt generator's and torch's RNG states, the metrics of the steps so far, the whole
 run config (a plain dict, enums as their values) and a SHA-256 digest of all of it. The
 sampler's randomness is a function of the seed and the step, so it needs no state.
-The models' and optimizers' states are whole, whatever the layout: in a parallel run every
-rank gathers them from their FSDP2 / tensor-parallel shards with
-`torch.distributed.checkpoint`'s state-dict API (`full_state_dict`), rank 0 writes the file,
-and on resume every rank reads it and takes its own shards of it. A checkpoint thus resumes
-on any parallel layout (`parallel.*` is among the keys a resume may change), one process
-included; the whole state passes through each rank's memory.
+The models' and optimizers' states are whole, whatever the layout: in a parallel run the
+ranks gather them from their FSDP2 / tensor-parallel shards with
+`torch.distributed.checkpoint`'s state-dict API (`full_state_dict` with `cpu_offload`: one
+parameter at a time, rank 0 keeping each in host memory and the other ranks none), rank 0
+writes the file, and on resume every rank maps it (`torch.load(mmap=True)`: the ranks of a
+node share its pages) and takes its own shards of it. A checkpoint thus resumes on any
+parallel layout (`parallel.*` is among the keys a resume may change), one process included;
+the whole state passes through rank 0's host memory, not through any accelerator's.
 
 A file is written beside its final name, flushed to disk and renamed over it, so a kill
 leaves the previous file whole. A resume refuses, naming `run.resume`, a file it cannot
@@ -130,7 +132,8 @@ def _digest(state: Any) -> str:
     return digest.hexdigest()
 
 
-_WHOLE = StateDictOptions(full_state_dict=True)
+_WHOLE = StateDictOptions(full_state_dict=True)  # load: every rank takes its shards of the whole state
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # save: rank 0 alone keeps the whole state
 
 
 def _trained(run: Run) -> torch.nn.Module:
@@ -141,7 +144,7 @@ def _trained(run: Run) -> torch.nn.Module:
 def _optimizer_state(trained: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     """The optimizer's state, whole; None before its first step (the state-dict API would
     initialise the state with a step of zero gradients, which counts in AdamW's bias correction)."""
-    return get_optimizer_state_dict(trained, optimizer, options=_WHOLE) if optimizer.state else None
+    return get_optimizer_state_dict(trained, optimizer, options=_GATHER) if optimizer.state else None
 
 
 def save_checkpoint(directory: Path, run: Run, step: int, history: list[dict[str, Any]], *, write: bool = True):
@@ -154,8 +157,8 @@ def save_checkpoint(directory: Path, run: Run, step: int, history: list[dict[str
         "step": step,
         "warm_steps": run.warm_steps,
         "config": _plain(run.cfg),
-        "policy": get_model_state_dict(run.policy, options=_WHOLE),
-        "reference": get_model_state_dict(run.reference, options=_WHOLE),
+        "policy": get_model_state_dict(run.policy, options=_GATHER),
+        "reference": get_model_state_dict(run.reference, options=_GATHER),
         "drafter": run.drafter.state_dict() if run.drafter is not None else None,
         "optimizers": [_optimizer_state(trained, o) for o in run.optimizers],
         "python_rng": run.rollouts.rng.getstate(),
@@ -193,7 +196,7 @@ def _read(path: str, device: torch.device) -> dict[str, Any]:
     if file.stat().st_size == 0:
         raise ValueError(f"run.resume={path!r}: the file is empty")
     try:
-        state = torch.load(file, map_location=device, weights_only=True)
+        state = torch.load(file, map_location=device, weights_only=True, mmap=True)
     except Exception as e:  # anything a damaged or foreign file makes the unpickler raise
         raise ValueError(
             f"run.resume={path!r}: torch.load cannot read it (a truncated, corrupt or foreign file: {type(e).__name__})"
