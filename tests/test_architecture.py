@@ -1,5 +1,6 @@
 """The package's rooms by layer: each module imports only rooms of its own layer or below,
-and the library (everything below the Hydra application) imports without Hydra."""
+no module of the package or of `tools/` reaches itself through its imports, and the library
+(everything below the Hydra application) imports without Hydra."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "compiled_loss"
+TOOLS = PACKAGE.parent / "tools"
 
 # Layers, lowest first. A module may import its own layer and the layers before it.
 LAYERS = [
@@ -59,6 +61,96 @@ def test_imports_point_down_the_layers():
             if _layer(imported) > _layer(room):
                 upward.append(f"{rel} imports compiled_loss.{imported}")
     assert upward == []
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package (`compiled_loss.…`) and of `tools/` (by the name a tool
+    imports it under: `tools/` is on the path of a tool run as a script)."""
+    found = {}
+    for root, prefix in ((PACKAGE, ["compiled_loss"]), (TOOLS, [])):
+        for path in root.rglob("*.py"):
+            parts = prefix + list(path.relative_to(root).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of `modules` it imports anywhere: at the top, in a function or
+    under `TYPE_CHECKING` (`from a import b` is module `a.b` where that is one, else `a`)."""
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package `level - 1` above this module's
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets |= {
+                    known(f"{base}.{a.name}") if f"{base}.{a.name}" in modules else known(base) for a in node.names
+                }
+        graph[name] = targets - {None, name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_in_the_package_or_the_tools():
+    assert _cycles(_import_graph(_modules())) == []
+
+
+def test_the_cycle_check_sees_function_local_and_type_checking_imports(tmp_path):
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "def f():\n    from pkg.b import g\n",
+        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n",
+        "pkg/c.py": "import pkg.a\n",
+        "pkg/d.py": "from pkg import a\n",
+    }
+    modules = {}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+        modules[name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")] = tmp_path / name
+    graph = _import_graph(modules)
+    assert graph["pkg.d"] == {"pkg.a"} and graph["pkg.b"] == {"pkg.c"}
+    assert _cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
 def test_every_room_has_a_layer():

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import dataclasses
 import functools
 import gc
@@ -53,7 +52,6 @@ import json
 import math
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -63,6 +61,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_common import (
+    BETA,
+    DTYPES,
+    mark,
+    nemo_rl_clipped_pg,
+    peak,
+    rel_diff,
+    reset_peak,
+    synchronize,
+)
 
 from compiled_loss.loss_functions import ClippedPGLossFn
 from compiled_loss.loss_input import TrainingSamplingParams, prepare_packed_loss_input
@@ -74,7 +82,6 @@ VARIANTS = ("a_loop", "b_eager", "c_compiled", "d_proxy", "lp_compiled", "c_topp
 COMPILED = ("c_compiled", "d_proxy", "lp_compiled", "c_topp")
 TOP_P = 0.9
 DIRECTIONS = ("fwd", "fwd+bwd")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CSV_COLUMNS = (
     "tokens",
     "vocab",
@@ -106,12 +113,6 @@ QUICK = {"tokens": [512], "vocab": [2048], "seqs": [4], "dtype": ["bf16"], "repe
 TARGET_SHAPE = {"tokens": 8192, "vocab": 32000, "seqs": 32}
 LOSS_RTOL = 1e-4
 SEED = 0
-
-# GRPO defaults of ClippedPGLossConfig (ref §4.1.1)
-CLIP_EPS = 0.2
-BETA = 0.01
-KL_INPUT_CLAMP = 20.0
-KL_OUTPUT_CLAMP = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,79 +227,6 @@ def make_inputs(shape: Shape, device: str) -> Inputs:
     )
 
 
-# ---- (a) NeMo-RL's eager per-sequence algorithm, self-contained ---------------------------
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / (denominator + 1e-8)
-
-
-def _k3(logr: torch.Tensor) -> torch.Tensor:
-    return torch.exp(logr) - 1 - logr
-
-
-def _nan_to_zero(x: torch.Tensor) -> torch.Tensor:
-    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _extremum(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> float:
-    """Min / max over `values[valid]` (boolean indexing, a sync), ±inf when empty."""
-    picked = values[valid]
-    if picked.numel() == 0:
-        return -math.inf if largest else math.inf
-    return (picked.max() if largest else picked.min()).item()
-
-
-def nemo_rl_clipped_pg(
-    lp: torch.Tensor, seq: dict[str, torch.Tensor], g_seqs: torch.Tensor, g_toks: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """`ClippedPGLossFn.__call__` at GRPO defaults (ref §4.1.5) on one sequence `[1, L]`;
-    every metric `.item()`-ed as the reference does."""
-    tm, sm = seq["token_mask"][:, 1:], seq["sample_mask"]
-    mask = tm * sm[:, None]
-    adv = seq["advantages"][:, 1:]
-    prev, gen, ref = (seq[k][:, 1:] for k in ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs"))
-    metrics: dict[str, float] = {}
-    with torch.no_grad():
-        metrics["token_mult_prob_error"] = _masked_mean(torch.exp((gen - prev).abs() * mask), mask, g_toks).item()
-        metrics["gen_kl_error"] = _masked_mean(_k3(prev - gen), mask, g_toks).item()
-        metrics["policy_kl_error"] = _masked_mean(_k3(gen - prev), mask, g_toks).item()
-        log_m = torch.logaddexp(prev, gen) - math.log(2.0)
-        a, b = prev - log_m, gen - log_m
-        js = 0.5 * (torch.exp(a) - a - 1) + 0.5 * (torch.exp(b) - b - 1)
-        metrics["js_divergence_error"] = _masked_mean(js, mask, g_toks).item()
-    w_kl = _nan_to_zero(torch.exp(lp - lp.detach()))
-    logr = ref - lp
-    clamped = logr.clamp(-KL_INPUT_CLAMP, KL_INPUT_CLAMP)
-    w_kl = torch.where(logr != clamped, w_kl.detach(), w_kl)
-    kl = _masked_mean(BETA * (w_kl * _k3(clamped)).clamp(-KL_OUTPUT_CLAMP, KL_OUTPUT_CLAMP), mask, g_toks)
-    ratio = torch.exp(lp - prev)
-    ratio_c = ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS)
-    clip_loss = torch.maximum(-adv * ratio, -adv * ratio_c)
-    loss = _masked_mean(clip_loss, mask, g_toks) + kl  # IS correction off: weights are ones
-    with torch.no_grad():
-        is_w = _nan_to_zero(torch.exp(prev - gen))
-        r, rc, valid = ratio.detach(), ratio_c.detach(), mask.bool()
-        kl_value = kl.item()
-        metrics.update(
-            {
-                "loss": loss.item(),
-                "probs_ratio": _masked_mean(r, mask, g_toks).item(),
-                "probs_ratio_clamped": _masked_mean(rc, mask, g_toks).item(),
-                "probs_ratio_min": _extremum(r, valid, largest=False),
-                "probs_ratio_max": _extremum(r, valid, largest=True),
-                "probs_ratio_clamped_min": _extremum(rc, valid, largest=False),
-                "probs_ratio_clamped_max": _extremum(rc, valid, largest=True),
-                "kl_penalty": kl_value / BETA if kl_value else 0.0,
-                "sampling_importance_ratio": _masked_mean(is_w, mask, g_toks).item(),
-                "num_valid_samples": sm.sum().item(),
-                "approx_entropy": -_masked_mean(torch.exp(lp.detach() - gen) * lp.detach(), mask, g_toks).item(),
-                "positive_nll_loss": 0.0,
-            }
-        )
-    return loss, metrics
-
-
 def nemo_rl_packed_loss(
     logits: torch.Tensor,
     data: dict[str, torch.Tensor],
@@ -405,33 +333,6 @@ def make_runners(variant: str, inp: Inputs) -> dict[str, Callable[[], float]]:
 # ---- measurement (worker side) --------------------------------------------------------------
 
 
-def _proc_status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _reset_peak(device: str) -> int:
-    """Reset the memory high-water mark; returns the memory in use now."""
-    _synchronize(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    ctypes.CDLL(None).malloc_trim(0)  # glibc: hand freed heap pages back, so reuse counts
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _proc_status_bytes("VmRSS")
-
-
-def _peak(device: str) -> int:
-    _synchronize(device)
-    return torch.cuda.max_memory_allocated() if device == "cuda" else _proc_status_bytes("VmHWM")
-
-
 def measure(variant: str, shape: Shape, device: str, repeat: int) -> list[dict[str, Any]]:
     """Both directions of one variant on one shape: warm-up, then `repeat` timed calls."""
     inp = make_inputs(shape, device)
@@ -442,21 +343,21 @@ def measure(variant: str, shape: Shape, device: str, repeat: int) -> list[dict[s
         run = runners[direction]
         start = time.perf_counter()
         run()
-        _synchronize(device)
+        synchronize(device)
         first_s = time.perf_counter() - start
         run()
         inp.logits.grad = None
         gc.collect()
-        before = _reset_peak(device)
+        before = reset_peak(device)
         times, loss = [], math.nan
         with torch.compiler.set_stance("fail_on_recompile" if variant in COMPILED else "default"):
             for _ in range(repeat):
                 inp.logits.grad = None
                 start = time.perf_counter()
                 loss = run()
-                _synchronize(device)
+                synchronize(device)
                 times.append(time.perf_counter() - start)
-        peak_extra = _peak(device) - before
+        peak_extra = peak(device) - before
         inp.logits.grad = None
         rows.append(
             {
@@ -536,14 +437,6 @@ def _pick(rows: list[dict[str, Any]], variant: str, direction: str) -> dict[str,
     return next(r for r in rows if r["variant"] == variant and r["direction"] == direction)
 
 
-def _rel_diff(x: float, y: float) -> float:
-    return abs(x - y) / abs(y)
-
-
-def _mark(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
 def _variants(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(r["variant"] for r in rows))
 
@@ -581,11 +474,11 @@ def print_shape_table(shape: Shape, rows: list[dict[str, Any]]) -> bool:
     agree = True
     for direction in DIRECTIONS:
         a, b, c = (_pick(rows, v, direction)["loss"] for v in ("a_loop", "b_eager", "c_compiled"))
-        ok = math.isnan(a) or math.isnan(b) or _rel_diff(a, b) <= LOSS_RTOL  # NaN: a worker failed
+        ok = math.isnan(a) or math.isnan(b) or rel_diff(a, b) <= LOSS_RTOL  # NaN: a worker failed
         agree = agree and ok
         print(
-            f"  loss {direction:<8} a {a:.8f}  b {b:.8f}  c {c:.8f}  |a-b|/|b| {_rel_diff(a, b):.1e} "
-            f"({'ok' if ok else 'MISMATCH'} at {LOSS_RTOL:g})  |c-b|/|b| {_rel_diff(c, b):.1e}"
+            f"  loss {direction:<8} a {a:.8f}  b {b:.8f}  c {c:.8f}  |a-b|/|b| {rel_diff(a, b):.1e} "
+            f"({'ok' if ok else 'MISMATCH'} at {LOSS_RTOL:g})  |c-b|/|b| {rel_diff(c, b):.1e}"
         )
     return agree
 
@@ -604,7 +497,7 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
     if speedups:
         ratio, r = max(speedups, key=lambda x: x[0])
         print(
-            f"  [{_mark(1 / ratio >= 5)}] compiled fused ClippedPG fwd+bwd >= 5x faster than a_loop "
+            f"  [{mark(1 / ratio >= 5)}] compiled fused ClippedPG fwd+bwd >= 5x faster than a_loop "
             f"(32 seqs, T=8192, V=32000): {1 / ratio:.2f}x ({r['dtype']}, worst of {len(speedups)})"
         )
     else:
@@ -618,7 +511,7 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
     if lp:
         worst = max(lp, key=lambda r: r["ratio_to_d"])
         print(
-            f"  [{_mark(1 / worst['ratio_to_d'] >= 0.9)}] compiled logprob >= 0.9x the speed of the "
+            f"  [{mark(1 / worst['ratio_to_d'] >= 0.9)}] compiled logprob >= 0.9x the speed of the "
             f"machine's limit (fwd): {1 / worst['ratio_to_d']:.2f}x (worst: T={worst['tokens']} "
             f"V={worst['vocab']} seqs={worst['seqs']} {worst['dtype']})"
         )
@@ -627,7 +520,7 @@ def print_targets(rows: list[dict[str, Any]]) -> None:
         if mem:
             worst = max(mem, key=lambda r: r["peak_extra_rel"])
             print(
-                f"  [{_mark(worst['peak_extra_rel'] <= 1.25)}] {what} peak extra memory <= 1.25x one "
+                f"  [{mark(worst['peak_extra_rel'] <= 1.25)}] {what} peak extra memory <= 1.25x one "
                 f"logits copy: {worst['peak_extra_rel']:.2f}x (worst: {worst['direction']}, T={worst['tokens']} "
                 f"V={worst['vocab']} seqs={worst['seqs']} {worst['dtype']})"
             )

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import BETA, CLIP_EPS, DTYPES, _mark, _peak, _rel_diff, _reset_peak, _synchronize, nemo_rl_clipped_pg
+from bench_common import BETA, CLIP_EPS, DTYPES, mark, nemo_rl_clipped_pg, peak, rel_diff, reset_peak, synchronize
 
 from compiled_loss.loss_functions import ClippedPGLossFn, NLLLossFn
 from compiled_loss.loss_input import prepare_loss_input
@@ -354,24 +354,24 @@ def measure(
     inp.hidden.requires_grad_(variant != "floor")
     inp.weight.requires_grad_(variant != "floor")
     run = make_runner(variant, loss, inp, shape, device, backend)
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     run()
-    _synchronize(device)
+    synchronize(device)
     first_s = time.perf_counter() - start
     run()
     inp.hidden.grad = inp.weight.grad = None
     gc.collect()
-    before = _reset_peak(device)
+    before = reset_peak(device)
     times, value = [], math.nan
     for _ in range(repeat):
         inp.hidden.grad = inp.weight.grad = None
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         value = run()
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
-    peak_extra = _peak(device) - before
+    peak_extra = peak(device) - before
     return {
         "median_ms": 1e3 * statistics.median(times),
         "min_ms": 1e3 * min(times),
@@ -446,7 +446,7 @@ def print_shape(loss: str, shape: Shape, rows: dict[str, dict[str, Any]], device
     if "eager" in rows and not math.isnan(rows["eager"]["value"]):
         for variant in ("unfused", "fused", *PEERS):
             if variant in rows and not math.isnan(rows[variant]["value"]):
-                diff = _rel_diff(rows[variant]["value"], rows["eager"]["value"])
+                diff = rel_diff(rows[variant]["value"], rows["eager"]["value"])
                 agree = agree and diff <= LOSS_RTOL
                 print(f"  loss {variant} vs eager: {diff:.1e} relative ({'ok' if diff <= LOSS_RTOL else 'MISMATCH'})")
     fused = rows.get("fused")
@@ -485,7 +485,7 @@ def print_shape(loss: str, shape: Shape, rows: dict[str, dict[str, Any]], device
         )
     )
     for ok, what in checks:
-        print(f"  [{_mark(ok)}] {what}")
+        print(f"  [{mark(ok)}] {what}")
     return agree
 
 

@@ -27,12 +27,12 @@ else — the model, loss, drafter, data, sampling, optimizer and seed — must m
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import os
+import random
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -43,8 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-if TYPE_CHECKING:
-    from compiled_loss.app.loop import Run
+from compiled_loss.config import Config
 
 # Keys a resume may change (a key, or a group ending in "."): how the same steps are laid
 # out, compiled, logged and saved. Logging and saving keys resume bitwise; a changed layout
@@ -86,15 +85,21 @@ _KEYS = (
 )
 
 
-def _plain(value: Any) -> Any:
-    """A config as plain data (dicts, lists, strings, numbers, None): what a checkpoint stores."""
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+@dataclasses.dataclass
+class TrainingState:
+    """What a checkpoint carries of a run, besides its step and metrics: the config, the
+    models and optimizers, the prompt generator's RNG and the warm start's length."""
+
+    cfg: Config
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    """The KL reference (the warm-start weights once the warm start is over)."""
+    drafter: torch.nn.Module | None
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    """The warm start's and the loss's."""
+    rng: random.Random
+    """The prompt generator's."""
+    warm_steps: int
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -136,9 +141,11 @@ _WHOLE = StateDictOptions(full_state_dict=True)  # load: every rank takes its sh
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # save: rank 0 alone keeps the whole state
 
 
-def _trained(run: Run) -> torch.nn.Module:
+def _trained(training: TrainingState) -> torch.nn.Module:
     """The modules the optimizers step, as one (its parameters named `policy.…`, `drafter.…`)."""
-    return torch.nn.ModuleDict({"policy": run.policy} | ({"drafter": run.drafter} if run.drafter is not None else {}))
+    return torch.nn.ModuleDict(
+        {"policy": training.policy} | ({"drafter": training.drafter} if training.drafter is not None else {})
+    )
 
 
 def _optimizer_state(trained: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
@@ -147,21 +154,23 @@ def _optimizer_state(trained: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return get_optimizer_state_dict(trained, optimizer, options=_GATHER) if optimizer.state else None
 
 
-def save_checkpoint(directory: Path, run: Run, step: int, history: list[dict[str, Any]], *, write: bool = True):
+def save_checkpoint(
+    directory: Path, training: TrainingState, step: int, history: list[dict[str, Any]], *, write: bool = True
+):
     """Gather the run's state whole (a collective in a parallel run: every rank calls it) and,
     where `write` (rank 0), write `directory/step_<step>.pt` atomically (a temporary file in
     the same directory, fsynced, then `os.replace`d over the name, then the directory
     fsynced); return its path (None where not written)."""
-    trained = _trained(run)
+    trained = _trained(training)
     state = {
         "step": step,
-        "warm_steps": run.warm_steps,
-        "config": _plain(run.cfg),
-        "policy": get_model_state_dict(run.policy, options=_GATHER),
-        "reference": get_model_state_dict(run.reference, options=_GATHER),
-        "drafter": run.drafter.state_dict() if run.drafter is not None else None,
-        "optimizers": [_optimizer_state(trained, o) for o in run.optimizers],
-        "python_rng": run.rollouts.rng.getstate(),
+        "warm_steps": training.warm_steps,
+        "config": training.cfg.plain(),
+        "policy": get_model_state_dict(training.policy, options=_GATHER),
+        "reference": get_model_state_dict(training.reference, options=_GATHER),
+        "drafter": training.drafter.state_dict() if training.drafter is not None else None,
+        "optimizers": [_optimizer_state(trained, o) for o in training.optimizers],
+        "python_rng": training.rng.getstate(),
         "torch_rng": torch.get_rng_state(),
         "history": history,
     }
@@ -218,10 +227,10 @@ def _read(path: str, device: torch.device) -> dict[str, Any]:
     return state
 
 
-def _compatible(path: str, state: dict[str, Any], run: Run) -> list[str]:
+def _compatible(path: str, state: dict[str, Any], training: TrainingState) -> list[str]:
     """The config keys this run changes from the checkpoint's — all of them ones a resume may
     change — as `key old -> new`; ValueError naming `run.resume` and the keys otherwise."""
-    old, new = _flat(state["config"]), _flat(_plain(run.cfg))
+    old, new = _flat(state["config"]), _flat(training.cfg.plain())
     for group in ("loss", "draft"):  # another loss or drafter: its name says it, its fields are another schema's
         if old.get(f"{group}.name") != new[f"{group}.name"]:
             old = {k: v for k, v in old.items() if not k.startswith(f"{group}.") or k == f"{group}.name"}
@@ -244,19 +253,19 @@ def _compatible(path: str, state: dict[str, Any], run: Run) -> list[str]:
     return list(changes.values())
 
 
-def load_checkpoint(path: str, run: Run) -> tuple[int, list[dict[str, Any]], list[str]]:
+def load_checkpoint(path: str, training: TrainingState) -> tuple[int, list[dict[str, Any]], list[str]]:
     """Check a checkpoint written by `save_checkpoint` against the run (its config, its
     schedule) and restore it into the run's objects; return its step, the metrics of the
     steps it covers and the config changes the run makes (`key old -> new`). Any file it
     cannot continue from is a ValueError naming `run.resume` and what is wrong."""
-    state = _read(path, next(run.policy.parameters()).device)
-    changes = _compatible(path, state, run)
-    done, warm, total = state["step"], state["warm_steps"], run.cfg.run.steps
-    if min(done, warm) != min(done, run.warm_steps):  # a step the checkpoint trained would change phase
+    state = _read(path, next(training.policy.parameters()).device)
+    changes = _compatible(path, state, training)
+    done, warm, total = state["step"], state["warm_steps"], training.cfg.run.steps
+    if min(done, warm) != min(done, training.warm_steps):  # a step the checkpoint trained would change phase
         need = f"run.sft_steps={warm}" if done > warm else f"run.sft_steps >= {done}"
         raise ValueError(
             f"run.resume={path!r} is at step {done} of a run with a warm start of {warm} steps; "
-            f"run.sft_steps={run.cfg.run.sft_steps} would change the phase of steps it has trained "
+            f"run.sft_steps={training.cfg.run.sft_steps} would change the phase of steps it has trained "
             f"(and the KL reference taken at the warm start's end): resume with {need}"
         )
     if done >= total:
@@ -265,16 +274,16 @@ def load_checkpoint(path: str, run: Run) -> tuple[int, list[dict[str, Any]], lis
             "run.steps"
         )
     try:
-        set_model_state_dict(run.policy, state["policy"], options=_WHOLE)
-        set_model_state_dict(run.reference, state["reference"], options=_WHOLE)
-        if run.drafter is not None:
-            run.drafter.load_state_dict(state["drafter"])
-        trained = _trained(run)
-        for optimizer, optimizer_state in zip(run.optimizers, state["optimizers"], strict=True):
+        set_model_state_dict(training.policy, state["policy"], options=_WHOLE)
+        set_model_state_dict(training.reference, state["reference"], options=_WHOLE)
+        if training.drafter is not None:
+            training.drafter.load_state_dict(state["drafter"])
+        trained = _trained(training)
+        for optimizer, optimizer_state in zip(training.optimizers, state["optimizers"], strict=True):
             if optimizer_state is not None:  # None: it had not stepped, as a new one
                 set_optimizer_state_dict(trained, optimizer, optimizer_state, options=_WHOLE)
         version, internal, gauss = state["python_rng"]
-        run.rollouts.rng.setstate((version, tuple(internal), gauss))
+        training.rng.setstate((version, tuple(internal), gauss))
         torch.set_rng_state(state["torch_rng"])
     except (RuntimeError, ValueError, KeyError, TypeError) as e:  # a file of another version of this code
         raise ValueError(f"run.resume={path!r}: its state does not fit this run's objects ({e})") from e

@@ -109,12 +109,10 @@ class WandbLogger:
     def __init__(self, cfg: Config, output_dir: Path) -> None:
         import wandb
 
-        from compiled_loss.app.checkpoint import _plain
-
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "compiled_loss"),
             dir=str(output_dir),
-            config={**_plain(cfg), "output_dir": str(output_dir)},
+            config={**cfg.plain(), "output_dir": str(output_dir)},
             mode=os.environ.get("WANDB_MODE", "offline"),
         )
 

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from compiled_loss.app.batches import annotate_cross_tokenizer
-from compiled_loss.app.checkpoint import load_checkpoint, save_checkpoint
+from compiled_loss.app.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from compiled_loss.app.curves import WARM_START
 from compiled_loss.app.loggers import MetricsLogger, Progress, finite, open_loggers, step_line
 from compiled_loss.app.rollouts import Rollouts
@@ -132,6 +132,12 @@ class Run:
     rollouts: Rollouts
     warm_steps: int
     layers_recorder: CompileRecorder | None  # the decoder layers, compiled apart in a parallel run
+
+    def training_state(self) -> TrainingState:
+        """What a checkpoint of this run carries (`save_checkpoint`, `load_checkpoint`)."""
+        return TrainingState(
+            self.cfg, self.policy, self.reference, self.drafter, self.optimizers, self.rollouts.rng, self.warm_steps
+        )
 
     def recorders(self) -> list[CompileRecorder]:
         """The compile recorders of both steps and the sampler (none where nothing compiles)."""
@@ -338,7 +344,7 @@ def _resume(cfg: Config, run: Run, lead: bool) -> tuple[int, list[dict[str, Any]
     none without one), restored into `run`."""
     if cfg.run.resume is None:
         return 0, []
-    done, history, changes = load_checkpoint(cfg.run.resume, run)
+    done, history, changes = load_checkpoint(cfg.run.resume, run.training_state())
     if lead:
         log.info(
             f"resuming at step {done} of {cfg.run.steps} from run.resume={cfg.run.resume}; "
@@ -403,7 +409,7 @@ def _steps(
         }
         history.append(record)
         if cfg.run.save_every and (i % cfg.run.save_every == 0 or i == total):  # every rank gathers, rank 0 writes
-            path = save_checkpoint(output_dir / "checkpoints", run, i, history, write=lead)
+            path = save_checkpoint(output_dir / "checkpoints", run.training_state(), i, history, write=lead)
             saved += [path] if lead else []
             if cfg.run.keep_last and len(saved) > cfg.run.keep_last:  # the new one is in place
                 saved.pop(0).unlink()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from typing import Any
 
@@ -51,6 +52,11 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     """Steps, micro-batches, seed, logging and checkpoints."""
 
+    def plain(self) -> dict[str, Any]:
+        """The config as plain data (dicts, lists, strings, numbers, None; enums as their
+        values): what a checkpoint stores and a logger records."""
+        return _plain(self)
+
     @functools.cached_property
     def loss_fn(self) -> LossFunction:
         """The loss `loss` describes, built once (`build_loss`): the checks below read its
@@ -60,7 +66,19 @@ class Config:
         return build_loss(self.loss)
 
     def __post_init__(self) -> None:
-        """Cross-group checks; each group checked its own fields when it was built."""
+        """Cross-group checks, in this order; each group checked its own fields when it was built."""
+        self._check_kinds()
+        self._check_logprob()
+        self._check_lengths()
+        self._check_vocabulary()
+        self._check_parallel()
+        self._check_buckets()
+        self._check_loss_options()
+        if self.draft.name != "none":
+            self._check_draft()
+
+    def _check_kinds(self) -> None:
+        """`loss` and `draft` are option objects of their kinds (None: the defaults)."""
         for group, kinds in (("loss", LOSS_KINDS), ("draft", DRAFT_KINDS)):
             value = getattr(self, group)
             if value is not None and not isinstance(value, tuple(kinds)):
@@ -73,9 +91,10 @@ class Config:
             self.loss = ClippedPgLossOption()
         if self.draft is None:
             self.draft = NoneDraftOption()
-        loss = self.loss_fn
-        name, family = self.loss.name, loss_family(self.loss)
-        logprob = self.logprob
+
+    def _check_logprob(self) -> None:
+        """The log-prob options against the inputs the loss reads."""
+        loss, name, logprob = self.loss_fn, self.loss.name, self.logprob
         if loss.input_type != LossInputType.LOGPROB:
             for key, value, default in (("top_k", logprob.top_k, None), ("top_p", logprob.top_p, 1.0)):
                 require(
@@ -89,15 +108,23 @@ class Config:
             f"reads {loss.input_type.value} inputs",
         )
         require(
-            family != "value" or logprob.temperature == 1.0,
+            loss_family(self.loss) != "value" or logprob.temperature == 1.0,
             f"logprob.temperature={logprob.temperature} has no meaning for loss={name} (a value head)",
         )
-        pairs = family == "dpo"
-        units = self.data.prompts if pairs else self.data.prompts * self.data.group_size
+
+    def _batch_units(self) -> tuple[int, str]:
+        """What a global batch splits into (DPO's pairs, else the sampled rows) and their name."""
+        if loss_family(self.loss) == "dpo":
+            return self.data.prompts, "pairs"
+        return self.data.prompts * self.data.group_size, "rows"
+
+    def _check_lengths(self) -> None:
+        """Micro-batches against the global batch, positions against the longest sequence."""
+        units, unit = self._batch_units()
         require(
             self.run.micro_batches <= units,
-            f"run.micro_batches={self.run.micro_batches} exceeds the {units} {'pairs' if pairs else 'rows'} of a "
-            f"global batch (data.prompts × {'1 pair' if pairs else 'data.group_size'})",
+            f"run.micro_batches={self.run.micro_batches} exceeds the {units} {unit} of a global batch "
+            f"(data.prompts × {'1 pair' if unit == 'pairs' else 'data.group_size'})",
         )
         length, length_keys = self.longest_sequence()
         longest = length + self.packing.pad_to_multiple
@@ -116,27 +143,34 @@ class Config:
                 f"sequence under packing=none ({width}: the data's longest row rounded up to packing.width="
                 f"{grid.width}); raise model.max_positions or lower packing.width",
             )
+
+    def _check_vocabulary(self) -> None:
+        """What reads ids or top-k sets against the model's vocabulary."""
+        vocab, top_k = self.model.vocab_size, self.logprob.top_k
         require(
-            self.data.vocab_needed() <= self.model.vocab_size,
-            f"data.modulus={self.data.modulus} needs model.vocab_size >= {self.data.vocab_needed()}, "
-            f"got {self.model.vocab_size}",
+            self.data.vocab_needed() <= vocab,
+            f"data.modulus={self.data.modulus} needs model.vocab_size >= {self.data.vocab_needed()}, got {vocab}",
         )
         require(
-            self.data.teacher_topk <= self.model.vocab_size,
-            f"data.teacher_topk={self.data.teacher_topk} exceeds model.vocab_size={self.model.vocab_size}",
+            self.data.teacher_topk <= vocab,
+            f"data.teacher_topk={self.data.teacher_topk} exceeds model.vocab_size={vocab}",
         )
         require(
-            logprob.top_k is None or logprob.top_k <= self.model.vocab_size,
-            f"logprob.top_k={logprob.top_k} exceeds model.vocab_size={self.model.vocab_size}: a top-k of the whole "
+            top_k is None or top_k <= vocab,
+            f"logprob.top_k={top_k} exceeds model.vocab_size={vocab}: a top-k of the whole "
             "vocabulary filters nothing (null disables the filter)",
         )
+
+    def _check_parallel(self) -> None:
+        """The parallel sizes against the vocabulary, the loss, the compiler, the packing and the batch."""
         tp, cp, dp = self.parallel.tp, self.parallel.cp, self.parallel.data_parallel
+        name = self.loss.name
         require(
             self.model.vocab_size % tp == 0,
             f"model.vocab_size={self.model.vocab_size} must divide evenly over parallel.tp={tp} vocabulary shards",
         )
         require(
-            loss.input_type != LossInputType.DISTILLATION_CROSS_TOKENIZER or (tp, cp) == (1, 1),
+            self.loss_fn.input_type != LossInputType.DISTILLATION_CROSS_TOKENIZER or (tp, cp) == (1, 1),
             f"loss={name} reads whole student and teacher distributions: it runs at parallel.tp = parallel.cp = 1 "
             f"(as NeMo-RL's does), got parallel.tp={tp}, parallel.cp={cp}",
         )
@@ -152,37 +186,46 @@ class Config:
             f"packing.pad_to_multiple={self.packing.pad_to_multiple} must be a multiple of 2 × parallel.cp = "
             f"{2 * cp} (each sequence is cut into 2·cp context-parallel chunks)",
         )
+        units, unit = self._batch_units()
         require(
             self.data.prompts % dp == 0 and self.run.micro_batches * dp <= units,
             f"data.prompts={self.data.prompts} must split evenly over the {dp} data-parallel ranks (parallel.dp × "
-            f"parallel.dp_shard), each with at least run.micro_batches={self.run.micro_batches} "
-            f"{'pairs' if pairs else 'rows'}",
+            f"parallel.dp_shard), each with at least run.micro_batches={self.run.micro_batches} {unit}",
         )
-        rows, tokens, batch_keys = self.longest_micro_batch()
+
+    def _check_buckets(self) -> None:
+        """The bucket grid against the longest micro-batch and `compile.max_buckets`."""
+        _, tokens, batch_keys = self.longest_micro_batch()
+        packing = self.packing
         require(
-            self.packing.per_octave <= tokens,
-            f"packing.per_octave={self.packing.per_octave} exceeds {tokens}, the tokens of the longest micro-batch "
+            packing.per_octave <= tokens,
+            f"packing.per_octave={packing.per_octave} exceeds {tokens}, the tokens of the longest micro-batch "
             f"({batch_keys}): with as many buckets per octave as the sizes it splits, the grid is the plain one "
             "(packing.per_octave=0)",
         )
         buckets = self.bucket_bound()
         require(
             buckets <= self.compile.max_buckets,
-            f"the bucket grid (packing.tokens={self.packing.tokens}, .rows={self.packing.rows}, "
-            f".width={self.packing.width}, .per_octave={self.packing.per_octave}) puts the longest micro-batch "
+            f"the bucket grid (packing.tokens={packing.tokens}, .rows={packing.rows}, "
+            f".width={packing.width}, .per_octave={packing.per_octave}) puts the longest micro-batch "
             f"({batch_keys}) and the smaller ones into up to {buckets} distinct shape buckets, more than "
             f"compile.max_buckets={self.compile.max_buckets} (one compile each): coarsen the grid or raise "
             "compile.max_buckets",
         )
+
+    def _check_loss_options(self) -> None:
+        """Loss options the embedded run constrains, and what the fused LM head can serve."""
+        loss, name = self.loss_fn, self.loss.name
         if isinstance(self.loss, MpoLossOption):
             shift = self.loss.reward_shift
+            rows, _, batch_keys = self.longest_micro_batch()
             require(
                 abs(shift) * rows <= FLOAT32.max,
                 f"loss.reward_shift={shift}: the BCO term sums about |reward_shift| per row of a micro-batch in "
                 f"float32, which overflows for the {rows} rows of the longest one ({batch_keys}); "
                 f"|loss.reward_shift| must be <= {FLOAT32.max / rows:.4g}",
             )
-        if family == "opd_full":
+        if loss_family(self.loss) == "opd_full":
             payload = loss.opd_full.teacher_payload
             require(
                 payload == "logits",
@@ -201,17 +244,18 @@ class Config:
                 f"logprob.fused_linear=true never forms the policy's logits; draft={self.draft.name} reads them as "
                 "its teacher: use draft=none or logprob.fused_linear=false",
             )
-        if self.draft.name != "none":
-            require(
-                family != "value",
-                f"draft={self.draft.name} reads the policy's logits; loss={name} trains a value head",
-            )
-            check_draft(self.draft, self.model)
-            self._check_draft_sizes(length, length_keys, tokens, batch_keys)
 
-    def _check_draft_sizes(self, length: int, length_keys: str, tokens: int, batch_keys: str) -> None:
-        """The drafter's sizes against the data: what one sequence and one micro-batch can hold."""
+    def _check_draft(self) -> None:
+        """The drafter against the loss, the model and the data: what one sequence and one
+        micro-batch can hold."""
         draft = self.draft
+        require(
+            loss_family(self.loss) != "value",
+            f"draft={draft.name} reads the policy's logits; loss={self.loss.name} trains a value head",
+        )
+        check_draft(draft, self.model)
+        length, length_keys = self.longest_sequence()
+        _, tokens, batch_keys = self.longest_micro_batch()
         sequence = f"the longest sequence the data can produce holds {length} tokens ({length_keys})"
         if draft.name == "eagle3":
             require(
@@ -277,3 +321,13 @@ class Config:
                 "tokens (the longest sequence padded to packing.pad_to_multiple)"
             ),
         )
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -74,7 +74,7 @@ def whole(tmp_path_factory):
 
 def _error(path, run) -> str:
     with pytest.raises(ValueError) as e:
-        load_checkpoint(str(path), run)
+        load_checkpoint(str(path), run.training_state())
     return str(e.value)
 
 
@@ -133,7 +133,7 @@ def test_a_resume_may_lengthen_the_warm_start_and_the_run_and_says_so(whole, tmp
     ],
 )
 def test_a_config_the_checkpoint_cannot_continue_is_refused_naming_the_keys(overrides, differs, tmp_path):
-    path = save_checkpoint(tmp_path, _build(), 2, [])
+    path = save_checkpoint(tmp_path, _build().training_state(), 2, [])
     assert _error(path, _build(*overrides)) == (
         f"run.resume={str(path)!r} was written by a run this config cannot continue: {differs} (checkpoint -> this "
         f"run); {MAY}"
@@ -141,7 +141,7 @@ def test_a_config_the_checkpoint_cannot_continue_is_refused_naming_the_keys(over
 
 
 def test_a_refused_resume_stops_the_run_before_it_writes_anything(tmp_path):
-    path = save_checkpoint(tmp_path / "checkpoints", _build(), 2, [])
+    path = save_checkpoint(tmp_path / "checkpoints", _build().training_state(), 2, [])
     with pytest.raises(
         ValueError,
         match=r"^run.resume='.*step_2.pt' was written by a run this config cannot "
@@ -156,7 +156,7 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
     sizes are compared on the config alone (a single process cannot build dp=2), and with
     DFlash, whose anchors are drawn per replica and micro-batch, dp and micro-batches must
     match."""
-    path = save_checkpoint(tmp_path, _build(), 2, [])
+    path = save_checkpoint(tmp_path, _build().training_state(), 2, [])
     changed = (
         "packing=none",
         "packing.width=32",
@@ -168,7 +168,7 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
         "run.deterministic=true",
         "logprob.chunk_size=16",
     )
-    done, history, changes = load_checkpoint(str(path), _build(*changed))
+    done, history, changes = load_checkpoint(str(path), _build(*changed).training_state())
     assert (done, history) == (2, [])
     assert changes == [
         "compile.backend 'inductor' -> 'aot_eager'",
@@ -183,8 +183,8 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
     ]
     run = _build()
     run = dataclasses.replace(run, cfg=compose_config(*SMALL, "parallel.dp=2"))
-    assert load_checkpoint(str(path), run)[2] == ["parallel.dp 1 -> 2"]
-    dflash = save_checkpoint(tmp_path / "dflash", _build("draft=dflash"), 2, [])
+    assert load_checkpoint(str(path), run.training_state())[2] == ["parallel.dp 1 -> 2"]
+    dflash = save_checkpoint(tmp_path / "dflash", _build("draft=dflash").training_state(), 2, [])
     run = _build("draft=dflash")
     run = dataclasses.replace(run, cfg=compose_config(*SMALL, "draft=dflash", "parallel.dp=2", "run.micro_batches=1"))
     assert _error(dflash, run) == (
@@ -244,13 +244,15 @@ def test_layout_and_logging_changes_are_accepted_and_named(tmp_path):
 def test_a_schedule_that_would_rewrite_trained_steps_or_train_nothing_is_refused(
     written, step, overrides, message, tmp_path
 ):
-    path = save_checkpoint(tmp_path, _build(written), step, [])
+    path = save_checkpoint(tmp_path, _build(written).training_state(), step, [])
     assert _error(path, _build(*overrides)) == f"run.resume={str(path)!r} {message}"
 
 
 def test_a_value_run_may_change_run_sft_steps_which_it_does_not_use(tmp_path):
-    path = save_checkpoint(tmp_path, _build("loss=mse_value"), 2, [])
-    assert load_checkpoint(str(path), _build("loss=mse_value", "run.sft_steps=0"))[2] == ["run.sft_steps 3 -> 0"]
+    path = save_checkpoint(tmp_path, _build("loss=mse_value").training_state(), 2, [])
+    assert load_checkpoint(str(path), _build("loss=mse_value", "run.sft_steps=0").training_state())[2] == [
+        "run.sft_steps 3 -> 0"
+    ]
 
 
 def _foreign(tmp_path, state) -> str:
@@ -261,7 +263,7 @@ def _foreign(tmp_path, state) -> str:
 
 def _rewritten(tmp_path, edit, digest: bool = True) -> str:
     """A real checkpoint with `edit` applied to it, its digest recomputed (`digest`) or kept."""
-    state = torch.load(save_checkpoint(tmp_path, _build(), 2, []), weights_only=True)
+    state = torch.load(save_checkpoint(tmp_path, _build().training_state(), 2, []), weights_only=True)
     edit(state)
     if digest:
         del state["digest"]
@@ -276,7 +278,7 @@ def _write(tmp_path, data: bytes) -> str:
 
 
 def _good_bytes(tmp_path) -> bytes:
-    return save_checkpoint(tmp_path / "good", _build(), 2, []).read_bytes()
+    return save_checkpoint(tmp_path / "good", _build().training_state(), 2, []).read_bytes()
 
 
 UNREADABLE = {
@@ -332,7 +334,7 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint_whole(tmp_path, mon
     over the checkpoint's name, then the directory is fsynced; a write interrupted half way
     (here by KeyboardInterrupt) leaves the previous file as it was and no temporary file."""
     run = _build()
-    before = save_checkpoint(tmp_path, run, 2, []).read_bytes()
+    before = save_checkpoint(tmp_path, run.training_state(), 2, []).read_bytes()
     events = []
     real_save, real_fsync, real_replace = torch.save, os.fsync, os.replace
 
@@ -344,7 +346,7 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint_whole(tmp_path, mon
 
     monkeypatch.setattr(torch, "save", half_save)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path, run, 2, [{"step": 1}])
+        save_checkpoint(tmp_path, run.training_state(), 2, [{"step": 1}])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2.pt"]
     assert (tmp_path / "step_2.pt").read_bytes() == before
     monkeypatch.setattr(torch, "save", real_save)
@@ -358,7 +360,7 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint_whole(tmp_path, mon
         "replace",
         lambda a, b: events.append(("replace", os.path.basename(a), os.path.basename(b))) or real_replace(a, b),
     )
-    save_checkpoint(tmp_path, run, 4, [])
+    save_checkpoint(tmp_path, run.training_state(), 4, [])
     (temporary,) = {e[1] for e in events[:2]}
     assert temporary.startswith(".step_4.pt.") and temporary.endswith(".tmp")
     assert events == [("fsync", temporary), ("replace", temporary, "step_4.pt"), ("fsync", tmp_path.name)]
@@ -367,9 +369,9 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint_whole(tmp_path, mon
 def test_keep_last_deletes_older_checkpoints_once_the_new_one_is_in_place(tmp_path, monkeypatch):
     present = []  # the files present as each checkpoint is written
 
-    def recording(directory, run, step, history, write):
+    def recording(directory, state, step, history, write):
         present.append(sorted(p.name for p in directory.glob("step_*.pt")))
-        return save_checkpoint(directory, run, step, history, write=write)
+        return save_checkpoint(directory, state, step, history, write=write)
 
     monkeypatch.setattr(loop, "save_checkpoint", recording)
     _train(tmp_path, "run.sft_steps=1", "run.steps=4", "run.save_every=1", "run.keep_last=2")

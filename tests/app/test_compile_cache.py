@@ -420,10 +420,13 @@ def test_a_resume_reads_its_graphs_from_any_compile_cache(tmp_path):
     overrides = [*TINY_TASK, "compile.enabled=false", "run.steps=2", "run.sft_steps=1"]
     cfg = compose_config(*overrides, f"run.compile_cache={tmp_path / 'written_with.bin'}")
     run = build_run(cfg, init_parallel(cfg.parallel))
-    checkpoint = save_checkpoint(tmp_path / "checkpoints", run, 1, [])
+    checkpoint = save_checkpoint(tmp_path / "checkpoints", run.training_state(), 1, [])
     for other in ([], [f"run.compile_cache={tmp_path / 'another.bin'}"]):
         resumed = dataclasses.replace(run, cfg=compose_config(*overrides, *other))
-        assert load_checkpoint(str(checkpoint), resumed)[::2] == (1, [])  # its step; no change reported
+        assert load_checkpoint(str(checkpoint), resumed.training_state())[::2] == (
+            1,
+            [],
+        )  # its step; no change reported
 
 
 # Compiles f's forward and backward (through an autograd.Function whose backward scales its

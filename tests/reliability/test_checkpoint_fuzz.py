@@ -69,7 +69,7 @@ def trained(tmp_path_factory):
 def _restored(path, cfg) -> tuple[dict, list[str]]:
     """The state a run of `cfg` holds after loading `path`, and the changes it names."""
     run = build_run(cfg, init_parallel(cfg.parallel))
-    step, history, changes = load_checkpoint(str(path), run)
+    step, history, changes = load_checkpoint(str(path), run.training_state())
     state = {
         "step": step,
         "history": history,
@@ -211,7 +211,9 @@ def test_a_random_schedule_resumes_or_is_refused_when_it_rewrites_trained_steps_
     @hyp(30)
     @given(st.integers(0, 3), st.integers(1, 7), st.integers(0, 3), st.integers(1, 7))
     def run(warm, done, sft_steps, steps):
-        written = save_checkpoint(path.parent, build_run(schedule(warm, 2), init_parallel(cfg.parallel)), done, [])
+        written = save_checkpoint(
+            path.parent, build_run(schedule(warm, 2), init_parallel(cfg.parallel)).training_state(), done, []
+        )
         message = _refusal(written, schedule(sft_steps, steps))
         rewrites = any((j <= warm) != (j <= sft_steps) for j in range(1, done + 1))
         if rewrites:
