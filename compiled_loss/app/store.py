@@ -131,6 +131,16 @@ def _parameters(build: Callable[[int], torch.nn.Module], layers: int, keys: str)
 def allocations(config: Config) -> list[tuple[str, int]]:
     """The run's largest allocations, each (what, with the keys that size it; bytes): a lower
     bound of its peak memory."""
+    found = [_policy_allocation(config)]
+    batch, slots = _batch_allocations(config)
+    found += batch
+    if config.draft.name != "none":
+        found += _drafter_allocations(config, slots)
+    return found
+
+
+def _policy_allocation(config: Config) -> tuple[str, int]:
+    """The policy's weights, gradients, KL reference, AdamW moments (and a teacher)."""
     model, draft, family = config.model, config.draft, loss_family(config.loss)
     size = getattr(torch, model.dtype).itemsize
     model_keys = (
@@ -147,24 +157,26 @@ def allocations(config: Config) -> list[tuple[str, int]]:
     )
     copies = 7 + (family in ("distillation", "opd_full"))  # the policy, its gradient, the KL reference,
     # two AdamW (the warm start's, the loss's) × two moments, and a teacher
-    found = [
-        (
-            f"the policy's weights, gradients, reference and AdamW moments ({params:,} parameters of {model_keys} "
-            f"× {copies})",
-            params * copies * size,
-        )
-    ]
+    return (
+        f"the policy's weights, gradients, reference and AdamW moments ({params:,} parameters of {model_keys} "
+        f"× {copies})",
+        params * copies * size,
+    )
+
+
+def _batch_allocations(config: Config) -> tuple[list[tuple[str, int]], int]:
+    """The longest micro-batch's ids, attention mask and logits; and its slots."""
     rows, tokens, _ = config.longest_micro_batch()
     grid = config.packing.grid()
     rows = round_to_bucket(rows, grid.rows, grid.per_octave)
     width = round_to_bucket(config.data.max_length(), grid.width, grid.per_octave)
-    found.append(
+    found = [
         (
             f"the longest micro-batch's token ids ({rows} × {width} int64: its rows rounded up to packing.rows, "
             "its longest sequence to packing.width)",
             rows * width * 8,
         )
-    )
+    ]
     if config.packing.mode == PackingMode.none:
         slots, mask, shape = rows * width, rows * width * width, f"{rows} × {width}² bools"
     else:
@@ -175,39 +187,35 @@ def allocations(config: Config) -> list[tuple[str, int]]:
         found.append(
             (
                 f"the longest micro-batch's float32 logits ({slots} slots × model.vocab_size)",
-                slots * model.vocab_size * 4,
+                slots * config.model.vocab_size * 4,
             )
         )
-    if draft.name != "none":
-        layers = getattr(draft, "num_layers", None)
-        keys = size_keys(draft)
-        _, trained = _parameters(
-            lambda n: build_draft_runtime(draft if layers is None else dataclasses.replace(draft, num_layers=n), model),
-            layers or 1,
-            keys,
-        )
-        found.append(
-            (
-                f"the drafter's weights, gradients and AdamW moments ({trained:,} parameters of {keys} × 6)",
-                trained * 6 * size,
-            )
-        )
-        vocab = draft.draft_vocab_size or model.vocab_size
-        if draft.name == "eagle3":
-            found.append(
-                (
-                    f"the drafter's float32 logits (draft.ttt_steps × {slots} slots × {vocab})",
-                    draft.ttt_steps * slots * vocab * 4,
-                )
-            )
-        else:
-            found.append(
-                (
-                    f"the drafter's float32 logits (draft.num_anchors × draft.block_size × {vocab})",
-                    draft.num_anchors * draft.block_size * vocab * 4,
-                )
-            )
-    return found
+    return found, slots
+
+
+def _drafter_allocations(config: Config, slots: int) -> list[tuple[str, int]]:
+    """The drafter's weights, gradients, AdamW moments and logits."""
+    model, draft = config.model, config.draft
+    size = getattr(torch, model.dtype).itemsize
+    layers = getattr(draft, "num_layers", None)
+    keys = size_keys(draft)
+    _, trained = _parameters(
+        lambda n: build_draft_runtime(draft if layers is None else dataclasses.replace(draft, num_layers=n), model),
+        layers or 1,
+        keys,
+    )
+    vocab = draft.draft_vocab_size or model.vocab_size
+    if draft.name == "eagle3":
+        logits = f"draft.ttt_steps × {slots} slots × {vocab}", draft.ttt_steps * slots * vocab * 4
+    else:
+        logits = f"draft.num_anchors × draft.block_size × {vocab}", draft.num_anchors * draft.block_size * vocab * 4
+    return [
+        (
+            f"the drafter's weights, gradients and AdamW moments ({trained:,} parameters of {keys} × 6)",
+            trained * 6 * size,
+        ),
+        (f"the drafter's float32 logits ({logits[0]})", logits[1]),
+    ]
 
 
 def _check_speculative(config: Config) -> None:

@@ -422,7 +422,7 @@ class DFlashRuntime(DraftRuntimeBase):
         return self.config.block_size - FIRST_SUPERVISED_SLOT
 
     def draft_loss(self, batch: DraftBatch, n_slots: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
-        cfg, drafter, gamma = self.config, self.drafter, self.gamma
+        cfg, drafter = self.config, self.drafter
         check_draft_batch(batch, n_slots, drafter.fc.in_features, drafter.embed.num_embeddings, anchor_noise=True)
         anchors, keep = select_anchors(batch.loss_mask, batch.document_ids, batch.anchor_noise, cfg.num_anchors)
         blocks = block_targets(
@@ -465,33 +465,35 @@ class DFlashRuntime(DraftRuntimeBase):
         tv_term = (tv * weight).sum() / weight_den
         if cfg.l1_loss_alpha > 0:
             loss = loss + cfg.l1_loss_alpha * tv_term
-        if drafter.confidence_head is not None:
-            conf = drafter.confidence(hidden).float()
-            bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
+        conf_term = torch.zeros((), device=hidden.device)
+        if drafter.confidence_head is not None:  # learns to predict each slot's acceptance
+            bce = F.binary_cross_entropy_with_logits(drafter.confidence(hidden).float(), accept, reduction="none")
             conf_term = torch.where(eval_mask > 0, bce, 0.0).sum() / eval_den
             loss = loss + cfg.confidence_head_alpha * conf_term
-        else:
-            conf_term = torch.zeros((), device=hidden.device)
         loss = loss / n_slots
-
-        valid_block = eval_mask[:, 0]  # a block with at least one supervised slot
-        tau = 1 + torch.cumprod(accept, -1).sum(-1)
         metrics = {
             "draft_loss": loss.detach(),
             "draft_ce_loss": ce_term.detach() / n_slots,
             "draft_tv_loss": tv_term.detach() / n_slots,
             "draft_conf_loss": conf_term.detach() / n_slots,
-            "draft_tau_num": (tau * valid_block).sum(),
-            "draft_tau_den": valid_block.sum(),
         }
-        accept_num, accept_den = accept.sum(0), eval_mask.sum(0)
-        agree_num = agree.sum(0)
-        for i in range(gamma):
-            metrics[f"draft_accept_rate_num@{i + 1}"] = accept_num[i]
-            metrics[f"draft_accept_rate_den@{i + 1}"] = accept_den[i]
-            metrics[f"draft_acc_num@{i + 1}"] = agree_num[i]
-            metrics[f"draft_acc_den@{i + 1}"] = accept_den[i]
-        return loss, metrics
+        return loss, metrics | _acceptance_metrics(accept, agree, eval_mask)
+
+
+def _acceptance_metrics(accept: Tensor, agree: Tensor, eval_mask: Tensor) -> dict[str, Tensor]:
+    """τ (1 + the expected accepted run of a block) and each slot's accept rate and top-1
+    agreement, as numerators and denominators, from `[N, γ]` acceptance probabilities, top-1
+    agreements and the supervised slots."""
+    valid_block = eval_mask[:, 0]  # a block with at least one supervised slot
+    tau = 1 + torch.cumprod(accept, -1).sum(-1)
+    metrics = {"draft_tau_num": (tau * valid_block).sum(), "draft_tau_den": valid_block.sum()}
+    accept_num, accept_den, agree_num = accept.sum(0), eval_mask.sum(0), agree.sum(0)
+    for i in range(accept.shape[-1]):
+        metrics[f"draft_accept_rate_num@{i + 1}"] = accept_num[i]
+        metrics[f"draft_accept_rate_den@{i + 1}"] = accept_den[i]
+        metrics[f"draft_acc_num@{i + 1}"] = agree_num[i]
+        metrics[f"draft_acc_den@{i + 1}"] = accept_den[i]
+    return metrics
 
 
 def build_dflash_runtime(

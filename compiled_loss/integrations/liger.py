@@ -243,6 +243,70 @@ def _token_logprobs(
     return token_logprobs(logits, ids.reshape(-1), chunk_size=chunk_size).view(ids.shape)
 
 
+def _check_grpo_options(
+    loss_type: str,
+    max_completion_length: int | None,
+    importance_sampling_level: str,
+    epsilon_high: float,
+    delta: float | None,
+) -> None:
+    """FusedLinearGRPOLoss's options Liger names and this library computes (else refused by name)."""
+    who = "FusedLinearGRPOLoss"
+    _require(
+        loss_type in LIGER_GRPO_LOSS_TYPES,
+        f"{who}: Unknown loss type {loss_type!r}: Liger's are {LIGER_GRPO_LOSS_TYPES}",
+    )
+    if loss_type not in GRPO_LOSS_TYPES:
+        _refuse(
+            who,
+            "loss_type",
+            f"loss_type={loss_type!r} is not computed here (no objective of the library computes it): "
+            f"loss_type must be one of {GRPO_LOSS_TYPES}",
+        )
+    _require(
+        loss_type != "dr_grpo" or (max_completion_length or 0) > 0,
+        f"{who}: loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}",
+    )
+    _require(
+        importance_sampling_level in ("token", "sequence"),
+        f"{who}: Unknown importance sampling level {importance_sampling_level!r}: 'token' or 'sequence'",
+    )
+    cispo = loss_type == "cispo"
+    if cispo and not epsilon_high >= 1:
+        _refuse(
+            who,
+            "epsilon_high",
+            f"loss_type='cispo' bounds the ratio at epsilon_high, and the library's CISPO bounds it at 1 + "
+            f"ratio_clip_max with ratio_clip_max >= 0: epsilon_high must be >= 1, got {epsilon_high!r}",
+        )
+    if delta is not None and not cispo and not (delta > 1 and delta >= 1 + epsilon_high):
+        _refuse(
+            who,
+            "delta",
+            f"delta (two-sided clipping) is the library's dual clip (ratio_clip_c > 1), equal to Liger's from 1 + "
+            f"epsilon_high up: delta must be > 1 and >= 1 + epsilon_high = {1 + epsilon_high!r}, got {delta!r}",
+        )
+
+
+def _grpo_loss_fn(loss_type: str, epsilon_low: float, epsilon_high: float, delta: float | None) -> ClippedPGLossFn:
+    """The library's objective for Liger's GRPO options: PPO's clip (with the dual clip at
+    `delta`) or CISPO, token- or sequence-level normalised as the loss type says."""
+    cispo = loss_type == "cispo"
+    return ClippedPGLossFn(
+        ClippedPGLossConfig(
+            # CISPO: no lower bound (a ratio is never below 0), the upper one at epsilon_high
+            ratio_clip_min=1.0 if cispo else epsilon_low,
+            ratio_clip_max=epsilon_high - 1.0 if cispo else epsilon_high,
+            ratio_clip_c=None if cispo else delta,
+            use_cispo=cispo,
+            use_importance_sampling_correction=True,  # vllm_is_ratio's weights; exactly 1 without it
+            reference_policy_kl_penalty=0.0,  # the KL term is TRL's: see _grpo
+            token_level_loss=loss_type != "grpo",
+            metrics_level="minimal",
+        )
+    )
+
+
 class FusedLinearGRPOLoss(nn.Module):
     """Liger's `LigerFusedLinearGRPOLoss`: TRL's GRPO objective from the policy's hidden
     states and LM head, with `ClippedPGLossFn`'s semantics.
@@ -318,46 +382,12 @@ class FusedLinearGRPOLoss(nn.Module):
         max_buckets: int = 64,
     ) -> None:
         super().__init__()
-        who = "FusedLinearGRPOLoss"
-        _require(
-            loss_type in LIGER_GRPO_LOSS_TYPES,
-            f"{who}: Unknown loss type {loss_type!r}: Liger's are {LIGER_GRPO_LOSS_TYPES}",
-        )
-        if loss_type not in GRPO_LOSS_TYPES:
-            _refuse(
-                who,
-                "loss_type",
-                f"loss_type={loss_type!r} is not computed here (no objective of the library computes it): "
-                f"loss_type must be one of {GRPO_LOSS_TYPES}",
-            )
-        _require(
-            loss_type != "dr_grpo" or (max_completion_length or 0) > 0,
-            f"{who}: loss_type='dr_grpo' needs max_completion_length > 0, got {max_completion_length!r}",
-        )
-        _require(
-            importance_sampling_level in ("token", "sequence"),
-            f"{who}: Unknown importance sampling level {importance_sampling_level!r}: 'token' or 'sequence'",
-        )
-        cispo = loss_type == "cispo"
-        if cispo and not epsilon_high >= 1:
-            _refuse(
-                who,
-                "epsilon_high",
-                f"loss_type='cispo' bounds the ratio at epsilon_high, and the library's CISPO bounds it at 1 + "
-                f"ratio_clip_max with ratio_clip_max >= 0: epsilon_high must be >= 1, got {epsilon_high!r}",
-            )
-        if delta is not None and not cispo and not (delta > 1 and delta >= 1 + epsilon_high):
-            _refuse(
-                who,
-                "delta",
-                f"delta (two-sided clipping) is the library's dual clip (ratio_clip_c > 1), equal to Liger's from 1 + "
-                f"epsilon_high up: delta must be > 1 and >= 1 + epsilon_high = {1 + epsilon_high!r}, got {delta!r}",
-            )
-        _require(temperature > 0, f"{who}: temperature must be > 0, got {temperature!r}")
+        _check_grpo_options(loss_type, max_completion_length, importance_sampling_level, epsilon_high, delta)
+        _require(temperature > 0, f"FusedLinearGRPOLoss: temperature must be > 0, got {temperature!r}")
         _require(
             softcap is None
             or (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and 0 < softcap < math.inf),
-            f"{who}: softcap must be a finite number > 0 or None, got {softcap!r}",
+            f"FusedLinearGRPOLoss: softcap must be a finite number > 0 or None, got {softcap!r}",
         )
         self.softcap = None if softcap is None else float(softcap)
         self.beta, self.loss_type, self.max_completion_length = beta, loss_type, max_completion_length
@@ -365,19 +395,7 @@ class FusedLinearGRPOLoss(nn.Module):
         self.epsilon_low, self.epsilon_high, self.bucket = epsilon_low, epsilon_high, bucket
         self.importance_sampling_level, self.delta = importance_sampling_level, delta
         self.use_bias_correction_kl = use_bias_correction_kl
-        self.loss_fn = ClippedPGLossFn(
-            ClippedPGLossConfig(
-                # CISPO: no lower bound (a ratio is never below 0), the upper one at epsilon_high
-                ratio_clip_min=1.0 if cispo else epsilon_low,
-                ratio_clip_max=epsilon_high - 1.0 if cispo else epsilon_high,
-                ratio_clip_c=None if cispo else delta,
-                use_cispo=cispo,
-                use_importance_sampling_correction=True,  # vllm_is_ratio's weights; exactly 1 without it
-                reference_policy_kl_penalty=0.0,  # the KL term is TRL's: see _grpo
-                token_level_loss=loss_type != "grpo",
-                metrics_level="minimal",
-            )
-        )
+        self.loss_fn = _grpo_loss_fn(loss_type, epsilon_low, epsilon_high, delta)
         self._objective = _Objective("FusedLinearGRPOLoss", self._grpo, compiled, max_buckets)
 
     def forward(
@@ -411,19 +429,9 @@ class FusedLinearGRPOLoss(nn.Module):
         _shape(who, "old_per_token_logps", old_per_token_logps, (rows, width))
         _shape(who, "ref_per_token_logps", ref_per_token_logps, (rows, width))
         kl_reference = self.use_ref_model and self.beta != 0  # else no KL term reads a reference
-        if self.use_ref_model and ref_per_token_logps is not None and ref_input is not None:
-            warnings.warn(
-                f"{who}: Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.", stacklevel=2
-            )
-        if not kl_reference or ref_per_token_logps is not None:
-            ref_input = ref_weight = ref_bias = None
-        else:
-            _require(
-                ref_input is not None and ref_weight is not None,
-                f"{who}: use_ref_model=True with beta={self.beta} needs ref_per_token_logps [B, T], or ref_input "
-                "[B, T, H'] with ref_weight [V, H']",
-            )
-            _shape(who, "ref_input", ref_input, (rows, width, ref_weight.shape[-1]))
+        ref_input, ref_weight, ref_bias = self._reference_head(
+            kl_reference, ref_per_token_logps is not None, ref_input, ref_weight, ref_bias, (rows, width)
+        )
         log_is_ratio = None
         if vllm_is_ratio is not None:
             _require(
@@ -431,8 +439,7 @@ class FusedLinearGRPOLoss(nn.Module):
                 f"{who}: vllm_is_ratio must have shape ({rows},), ({rows}, 1) or ({rows}, {width}), got "
                 f"{tuple(vllm_is_ratio.shape)}",
             )
-            ratio = vllm_is_ratio.float().reshape(rows, -1).expand(rows, width)
-            log_is_ratio = torch.log(ratio)
+            log_is_ratio = torch.log(vllm_is_ratio.float().reshape(rows, -1).expand(rows, width))
         mask = attention_mask.float()
         seqs, toks = self._normalisers(mask, num_items_in_batch)
         padded = round_to_bucket(width, self.bucket.width, self.bucket.per_octave)
@@ -447,6 +454,32 @@ class FusedLinearGRPOLoss(nn.Module):
             hidden, lin_weight, bias, ids, mask, advantages.float(), old, ref, ref_hidden, ref_weight, ref_bias,
             log_is_ratio, seqs, toks, *dtypes,
         )  # fmt: skip
+
+    def _reference_head(
+        self,
+        kl_reference: bool,
+        has_ref_logps: bool,
+        ref_input: Tensor | None,
+        ref_weight: Tensor | None,
+        ref_bias: Tensor | None,
+        rows_width: tuple[int, int],
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The reference model's hidden states and head where the KL term reads them (the
+        reference's log-probs, where given, win as in Liger); None each otherwise."""
+        who = "FusedLinearGRPOLoss"
+        if self.use_ref_model and has_ref_logps and ref_input is not None:
+            warnings.warn(
+                f"{who}: Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.", stacklevel=3
+            )
+        if not kl_reference or has_ref_logps:
+            return None, None, None
+        _require(
+            ref_input is not None and ref_weight is not None,
+            f"{who}: use_ref_model=True with beta={self.beta} needs ref_per_token_logps [B, T], or ref_input "
+            "[B, T, H'] with ref_weight [V, H']",
+        )
+        _shape(who, "ref_input", ref_input, (*rows_width, ref_weight.shape[-1]))
+        return ref_input, ref_weight, ref_bias
 
     def _normalisers(self, mask: Tensor, num_items_in_batch: Tensor | int | None) -> tuple[Tensor, Tensor]:
         """`(sequences, tokens)` the loss divides by, as 0-d fp32 tensors (no host sync)."""

@@ -422,11 +422,47 @@ class TrainStep:
         start = time.perf_counter()
         device = self._device()
         batch = {k: v.to(device) for k, v in batch.items()}
+        lengths, ranges = self._split(batch)
+        sample_mask = batch["sample_mask"]
+        # the global normalisers: this replica's counts summed over the DP group (ref §1.3)
+        local_toks = (batch["token_mask"][:, 1:] * sample_mask[:, None]).sum()
+        counts = all_reduce_host(torch.stack([sample_mask.sum(), local_toks]), self.groups.dp)
+        g_seqs, g_toks = counts[0], counts[1]
+        full_width = batch["input_ids"].shape[1]
+        parts, slots = [], 0
+        self.global_batch += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, (a, b) in enumerate(ranges):
+            width = max(lengths[a:b])  # trim each micro-batch to its own longest row
+            micro = {  # contiguous: a view's strides follow the batch's width, and compiled code guards on them
+                k: (v[a:b, :width] if v.dim() >= 2 and v.shape[1] == full_width else v[a:b]).contiguous()
+                for k, v in batch.items()
+            }
+            if self.draft_runtime is not None:  # the drafter's per-token anchor noise, drawn on the host
+                micro["input_lengths"] = torch.tensor(lengths[a:b], device=device)
+                seed = anchor_seed(self.groups.dp_rank, self.global_batch, i)
+                micro["anchor_noise"] = anchor_noise((b - a, width), seed, device)
+            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, len(ranges), device)
+            (loss * self.loss_scale).backward()
+            parts.append(metrics)
+            slots += micro_slots
+        step_wide = self._optimizer_step()
+        step_wide.update(global_valid_seqs=g_seqs, global_valid_toks=g_toks)  # the same on every rank
+        # every replica's micro-batch fragments, combined as one list (a mean counts each fragment)
+        metrics = with_ratios(combine_over([metrics_to_python(p) for p in parts], self.groups.dp))
+        metrics.update(metrics_to_python(step_wide))
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        tokens, slots = (int(n) for n in all_reduce_host(torch.tensor([sum(lengths), slots]), self.groups.dp))
+        return StepResult(metrics, tokens, slots, time.perf_counter() - start)
+
+    def _split(self, batch: dict[str, Tensor]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The batch checked and its `input_lengths` taken out (host ints: boundaries are
+        Python ints), with the row ranges of its micro-batches; every rank agrees on both."""
         if "input_lengths" not in batch:
             raise ValueError(f"batch must hold 'input_lengths' ([B] sequence lengths); present: {sorted(batch)}")
         if self.options.validate_inputs:
             validate_batch(batch, vocab_size=self.options.vocab_size)
-        lengths = batch.pop("input_lengths").tolist()  # host: boundaries are Python ints
+        lengths = batch.pop("input_lengths").tolist()
         if self.pairs and len(lengths) % 2:
             raise ValueError(
                 f"{type(self.loss_fn).__name__} reads (chosen, rejected) row pairs; the batch has an odd number "
@@ -452,45 +488,22 @@ class TrainStep:
             self.groups.tp,
             self.groups.cp,
         )
-        sample_mask = batch["sample_mask"]
-        # the global normalisers: this replica's counts summed over the DP group (ref §1.3)
-        local_toks = (batch["token_mask"][:, 1:] * sample_mask[:, None]).sum()
-        counts = all_reduce_host(torch.stack([sample_mask.sum(), local_toks]), self.groups.dp)
-        g_seqs, g_toks = counts[0], counts[1]
-        full_width = batch["input_ids"].shape[1]
-        parts, slots = [], 0
-        self.global_batch += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        for i, (a, b) in enumerate(ranges):
-            width = max(lengths[a:b])  # trim each micro-batch to its own longest row
-            micro = {  # contiguous: a view's strides follow the batch's width, and compiled code guards on them
-                k: (v[a:b, :width] if v.dim() >= 2 and v.shape[1] == full_width else v[a:b]).contiguous()
-                for k, v in batch.items()
-            }
-            if self.draft_runtime is not None:  # the drafter's per-token anchor noise, drawn on the host
-                micro["input_lengths"] = torch.tensor(lengths[a:b], device=device)
-                seed = anchor_seed(self.groups.dp_rank, self.global_batch, i)
-                micro["anchor_noise"] = anchor_noise((b - a, width), seed, device)
-            loss, metrics, micro_slots = self._micro_step(micro, lengths[a:b], g_seqs, g_toks, len(ranges), device)
-            (loss * self.loss_scale).backward()
-            parts.append(metrics)
-            slots += micro_slots
+        return lengths, ranges
+
+    def _optimizer_step(self) -> dict[str, Tensor]:
+        """The drafter's gradients synchronised where it lives outside the model, the
+        gradients clipped (the drafter's on their own) and the optimizer stepped; the grad
+        norms."""
         if self.draft_runtime is not None and self._model_outside:
             self._sync_drafter_grads()
         step_wide: dict[str, Tensor] = {}
         clip = self.options.grad_clip
-        if clip is not None:  # the drafter's parameters are clipped on their own
+        if clip is not None:
             step_wide["grad_norm"] = clip_grad_norm(self.model.parameters(), clip)
             if self.draft_runtime is not None:
                 step_wide["draft_grad_norm"] = torch.nn.utils.clip_grad_norm_(self.draft_runtime.parameters(), clip)
         self.optimizer.step()
-        step_wide.update(global_valid_seqs=g_seqs, global_valid_toks=g_toks)  # the same on every rank
-        # every replica's micro-batch fragments, combined as one list (a mean counts each fragment)
-        metrics = with_ratios(combine_over([metrics_to_python(p) for p in parts], self.groups.dp))
-        metrics.update(metrics_to_python(step_wide))
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        tokens, slots = (int(n) for n in all_reduce_host(torch.tensor([sum(lengths), slots]), self.groups.dp))
-        return StepResult(metrics, tokens, slots, time.perf_counter() - start)
+        return step_wide
 
     @torch.no_grad()
     def _sync_drafter_grads(self) -> None:
