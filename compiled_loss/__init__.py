@@ -1,8 +1,8 @@
 """compiled_loss: NeMo-RL's post-training losses as stateless functions that trace to one
 torch.compile graph over packed sequences with bucketed shapes.
 
-Rooms by layer (a module imports only its own layer and the ones before it; the README's
-"Package map" has the files):
+Rooms by layer (a module imports only its own layer and the ones before it; the "Package
+map" of docs/design.md has the files):
 
 - `interfaces`, `metrics`, `checks`, `compile`: enums, the `LossFunction` protocol and the
   `InputSpec` a loss declares; the one aggregation registry; config checks; `compile_loss`

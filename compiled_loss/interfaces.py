@@ -201,7 +201,7 @@ DATA_KEYS: dict[str, DataKey] = {
 """The glossary of data keys: every key of every loss's data `TypedDict` (`InputSpec.data`; a
 teacher's keys with its index as `{i}`) and the training step's `input_ids` / `input_lengths`.
 A `[B, S]` key follows NeMo-RL's alignment: entry t belongs to token t. `tools/data_keys.py`
-prints the README's tables from it and the losses' `TypedDict`s."""
+prints the data-key tables of docs/library.md from it and the losses' `TypedDict`s."""
 
 
 @runtime_checkable

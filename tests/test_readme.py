@@ -1,7 +1,9 @@
-"""Every ```python block of README.md runs as written: each in a fresh Python process, in an
-empty directory, on the CPU, and exits 0. A block that imports the `[hf]` extra's packages
-or verl is skipped only where they are missing (CI installs the `[hf]` extra in its main
-venv, and runs the verl blocks in its verl venv)."""
+"""Every ```python block of README.md and of each docs/*.md page runs as written: each in a fresh
+Python process, in an empty directory, on the CPU, and exits 0. A block's test id is the page's
+stem, the block's number on its page and the heading it sits under (`readme-2-…`,
+`library-4-verl-and-torchtitan`). A block that imports the `[hf]` extra's packages or verl is
+skipped only where they are missing (CI installs the `[hf]` extra in its main venv, and runs
+the verl blocks, whose ids say verl, in its verl venv)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 OPTIONAL = {  # a block that imports one of these where it is missing is skipped, naming the install
     **dict.fromkeys(("transformers", "trl", "datasets", "tokenizers"), "pip install 'compiled_loss[hf]'"),
     "verl": "pip install 'compiled_loss[verl]' and pip install --no-deps verl==0.9.1",
@@ -22,15 +25,16 @@ OPTIONAL = {  # a block that imports one of these where it is missing is skipped
 TIMEOUT_S = 300
 
 
-def _blocks() -> list[tuple[str, str]]:
-    """`(id, code)` of each Python block: its number and the heading it sits under."""
+def _blocks(page: Path) -> list[tuple[str, str]]:
+    """`(id, code)` of each Python block of `page`: the page's stem, the block's number on the
+    page and the heading it sits under."""
     blocks, heading, fence, lines = [], "top", None, []
-    for line in README.read_text().splitlines():
+    for line in page.read_text().splitlines():
         if fence is None and line.startswith("```"):
             fence, lines = line[3:].strip(), []
         elif fence is not None and line == "```":
             if fence == "python":
-                blocks.append((f"{len(blocks) + 1}-{heading}", "\n".join(lines) + "\n"))
+                blocks.append((f"{page.stem.lower()}-{len(blocks) + 1}-{heading}", "\n".join(lines) + "\n"))
             fence = None
         elif fence is not None:
             lines.append(line)
@@ -39,7 +43,7 @@ def _blocks() -> list[tuple[str, str]]:
     return blocks
 
 
-BLOCKS = _blocks()
+BLOCKS = [block for page in PAGES for block in _blocks(page)]
 
 
 def _imported(code: str) -> set[str]:
@@ -53,8 +57,13 @@ def _imported(code: str) -> set[str]:
     return names
 
 
-def test_the_readme_has_python_blocks_that_parse():
-    assert len(BLOCKS) >= 5
+def test_the_readme_and_the_docs_have_python_blocks_that_parse():
+    stems = {page.stem for page in PAGES}
+    assert {"index", "library", "runner", "fused_head", "deviations"} <= stems, f"docs/ pages missing: {stems}"
+    assert len(_blocks(ROOT / "README.md")) >= 5
+    assert len(_blocks(ROOT / "docs" / "library.md")) >= 5
+    names = [name for name, _ in BLOCKS]
+    assert len(set(names)) == len(names), "two blocks with one test id"
     for name, code in BLOCKS:
         ast.parse(code, filename=name)
 

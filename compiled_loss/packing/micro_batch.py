@@ -8,7 +8,7 @@ torch.compile it is ONE graph, with no Python loop over sequences and no `.item(
 shapes depend only on the bucket. It evaluates the loss ONCE over the unpacked `[B, S]`
 view with every tensor zeroed past each sequence's length: exactly the per-sequence loop's
 result (its `[:, :L_i]` slicing, ref §7.2) for every loss whose value and metrics are sums
-over rows — which every loss here is, with the two exceptions listed in the README. The
+over rows — which every loss here is, with the two exceptions listed in docs/deviations.md. The
 next-token inputs at positions that loop never evaluates are zeroed as well.
 
 How the loss's inputs are built is the `prepare` callable (`Prepare`): the library's

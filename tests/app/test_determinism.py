@@ -1,6 +1,6 @@
 """`run.deterministic=true`: two runs with the same seed, compiled by Inductor, give
 bitwise-identical metrics and weights (without it, Inductor's CPU kernels differ from run
-to run in the last bits of a gradient norm from the first step on — measured, README), and
+to run in the last bits of a gradient norm from the first step on — measured, docs/runner.md), and
 the process's deterministic setting is restored afterwards."""
 
 from __future__ import annotations

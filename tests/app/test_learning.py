@@ -1,6 +1,6 @@
 """The embedded run learns: on-policy RL from an SFT warm start raises the reward, at a
 small size (a 64-wide LM over 32 tokens, modulus 16, eager: ~8 s a run). The default run's
-figures (≥ 0.8 and +0.25, in under 3 minutes) are measured by hand (README)."""
+figures (≥ 0.8 and +0.25, in under 3 minutes) are measured by hand (docs/runner.md)."""
 
 from __future__ import annotations
 

@@ -107,8 +107,8 @@ def test_a_sharded_checkpoint_resumes_on_another_layout(tmp_path):
 
 
 def test_two_nodes_on_localhost_train_the_first_step_of_one_process(single, tmp_path):
-    """The README's multi-node command, simulated: two torchrun agents on this machine (`--nnodes
-    2 --nproc-per-node 2`, c10d rendezvous), `parallel.tp=2 parallel.dp_shard=2`: the first
+    """docs/parallel.md's multi-node command, simulated: two torchrun agents on this machine
+    (`--nnodes 2 --nproc-per-node 2`, c10d rendezvous), `parallel.tp=2 parallel.dp_shard=2`: the first
     step equals one process's, as on one node."""
     want, _, _ = single
     with socket.socket() as s:  # a free port for the rendezvous

@@ -16,7 +16,7 @@ zero_outside_topk True and False. Checked on every rank:
   over the TP group, whoever replicated `hidden` does; and, summed over the TP group (what
   the training step's gradient all-reduce / Megatron's copy region does), the single-process
   gradient at this rank's positions **times cp**: the reference's context-parallel convention
-  (README "tensor / context parallelism": its all-gather backward sums the incoming gradient
+  (docs/parallel.md: its all-gather backward sums the incoming gradient
   over the CP ranks and its trainer divides the loss by cp), so at cp = 1 it is the plain
   gradient;
 - `d weight` / `d bias` of the shard: this rank's share, i.e. cp × the single-process logit

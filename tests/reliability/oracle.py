@@ -8,7 +8,7 @@ clamps), narrows the packed logits to the padded segment `[cu_padded[i], cu_padd
 `min(L_i, S)` slots), calls `compiled_loss.loss_input.prepare_loss_input` and the loss on that
 one sequence with the GLOBAL denominators, sums the losses and combines the metrics
 (min / max through `compiled_loss.metrics.aggregation`, skipping ±inf sentinels; every
-other key summed). DPO keeps its (chosen, rejected) rows together (README deviation): each
+other key summed). DPO keeps its (chosen, rejected) rows together (docs/deviations.md): each
 row is prepared on its own slice, the pair is zero-padded to a common width and evaluated
 as one two-row batch.
 
@@ -121,7 +121,7 @@ def pg_cases(draw) -> Case:
     """A random valid `ClippedPGLossFn` config (GRPO/PPO, dual clip, GSPO, CISPO,
     REINFORCE, on-policy ratio, in-loss sequence filter; TIS/icepop/seq-mask-tis; on-policy
     KL; KL in reward), a sampling filter and an eager chunk size. VAPO's NLL is left out: its
-    local denominator is a documented packing deviation (README)."""
+    local denominator is a documented packing deviation (docs/deviations.md)."""
     mode = draw(st.sampled_from(["ppo", "gspo", "cispo", "reinforce", "on_policy", "seq_filter"]))
     cfg: dict[str, Any] = {
         "ratio_clip_min": draw(st.sampled_from([0.0, 0.1, 0.2, 0.4])),

@@ -2,7 +2,7 @@
 
 (a) OUTSIDE the masks — packing-padding logit slots, the logits of each sequence's last
 real position (they predict a token past the sequence), logits whose log-probs are masked
-(prompt positions, masked rows: README "Non-finite values outside the masks … log-probs …
+(prompt positions, masked rows: docs/deviations.md "Non-finite values outside the masks … log-probs …
 reach no loss, metric or gradient"), data past each sequence's length,
 data at prompt positions (token_mask 0), data of rows whose sample_mask is 0, teacher
 top-k logits at masked positions — change nothing: loss, every metric and the gradient
@@ -321,7 +321,7 @@ def _unpacked_metrics(case, packing: Packing, logits: torch.Tensor, data: dict, 
 @pytest.mark.parametrize("family", ("pg", "mse"))
 def test_hostile_values_inside_masks_extrema_follow_the_unpacked_evaluation(family):
     """NaN/±inf inside the masks: the packed min/max metrics are one unpacked evaluation's —
-    NaN propagates, a genuine ±inf is reported (README deviation: §7.2's loop drops a
+    NaN propagates, a genuine ±inf is reported (deviation in docs/deviations.md: §7.2's loop drops a
     sequence's non-finite extremum, which its own unpacked path does not)."""
 
     @hyp(15)

@@ -302,7 +302,7 @@ REQUIRED = {
     "distill": ("teacher_topk_logits", "teacher_topk_indices"),
     "mse": ("token_mask", "sample_mask", "returns", "values"),
 }
-PACKED_ONLY = {"distill": ("token_mask", "sample_mask")}  # README: required under packing
+PACKED_ONLY = {"distill": ("token_mask", "sample_mask")}  # docs/deviations.md: required under packing
 MISSING = [
     (f, k, p)
     for f, keys in REQUIRED.items()

@@ -1,5 +1,5 @@
-"""`tools/data_keys.py`: the README's data-key tables are the ones generated from the loss
-contracts, every key a loss declares has a glossary entry, and the glossary agrees with the
+"""`tools/data_keys.py`: the data-key tables of docs/library.md are the ones generated from the
+loss contracts, every key a loss declares has a glossary entry, and the glossary agrees with the
 batch checks (`compiled_loss.inputs.validate`) on every key both describe."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ _spec.loader.exec_module(data_keys)
 STEP_KEYS = {"input_ids", "input_lengths"}  # what the training step reads of every batch
 
 
-def test_the_readme_tables_are_the_generated_ones():
-    assert data_keys.readme_tables((ROOT / "README.md").read_text()) == data_keys.tables(), (
-        "README.md's data-key tables are stale: python tools/data_keys.py --write"
+def test_the_docs_tables_are_the_generated_ones():
+    assert data_keys.PAGE == ROOT / "docs" / "library.md"
+    assert data_keys.page_tables(data_keys.PAGE.read_text()) == data_keys.tables(), (
+        "docs/library.md's data-key tables are stale: python tools/data_keys.py --write"
     )
 
 
