@@ -1,5 +1,4 @@
-"""Session settings for the whole suite: one intra-op thread per test process, the slow
-tier scheduled first.
+"""Session settings for the whole suite: one intra-op thread per test process.
 
 The suite runs as two pytest-xdist workers on 2 cores (`python -m pytest -n 2`, README);
 each worker — and each process a test starts (torchrun ranks, spawned process groups,
@@ -14,10 +13,3 @@ import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-
-def pytest_collection_modifyitems(items):
-    """The slow tier first, each tier in collection order: the workers start on the long tests,
-    and the many short ones fill the cores at the end, where a long test started last would
-    leave one core idle while it finishes."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
