@@ -462,7 +462,7 @@ class TrainStep:
             raise ValueError(f"batch must hold 'input_lengths' ([B] sequence lengths); present: {sorted(batch)}")
         if self.options.validate_inputs:
             validate_batch(batch, vocab_size=self.options.vocab_size)
-        lengths = batch.pop("input_lengths").tolist()
+        lengths = batch.pop("input_lengths").tolist()  # host: boundaries are Python ints
         if self.pairs and len(lengths) % 2:
             raise ValueError(
                 f"{type(self.loss_fn).__name__} reads (chosen, rejected) row pairs; the batch has an odd number "
