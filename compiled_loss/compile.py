@@ -297,7 +297,7 @@ def load_compile_cache(path: str | os.PathLike[str]) -> bool:
         )
         return False
     entries = None if header is None or header.get("bytes") != len(payload) else _entries(header, payload)
-    if entries is None:
+    if header is None or entries is None:
         problem = "it is no compile cache" if header is None else "it is truncated or corrupt"
         raise ValueError(f"compile cache {target}: {problem} (save_compile_cache writes one)")
     here = compile_cache_fingerprint()

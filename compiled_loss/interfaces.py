@@ -42,10 +42,14 @@ class OpdFullOptions(Protocol):
     """What input preparation reads of an OPD_FULL loss's distillation config
     (`compiled_loss.losses.OPDFullConfig`)."""
 
-    teacher_payload: str
-    chunk_size: int | None
-    with_entropy: bool
-    with_cross_entropy: bool
+    @property
+    def teacher_payload(self) -> str: ...
+    @property
+    def chunk_size(self) -> int | None: ...
+    @property
+    def with_entropy(self) -> bool: ...
+    @property
+    def with_cross_entropy(self) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,41 +75,42 @@ def check_batch_shapes(data: Mapping[str, object], who: str | None = None) -> No
     for key in known:
         if key in data and not isinstance(data[key], Tensor):
             raise TypeError(f"{at}data[{key!r}] must be a tensor, got {type(data[key]).__name__}")
-    reference = next((k for k in ("input_ids", "token_mask") if k in data), None)
+    tensors = {key: value for key in known if isinstance(value := data.get(key), Tensor)}
+    reference = next((k for k in ("input_ids", "token_mask") if k in tensors), None)
     if reference is not None:
-        if data[reference].dim() != 2:
-            raise ValueError(f"{at}data[{reference!r}] must have shape [B, S], got {tuple(data[reference].shape)}")
-        rows, width = data[reference].shape
+        if tensors[reference].dim() != 2:
+            raise ValueError(f"{at}data[{reference!r}] must have shape [B, S], got {tuple(tensors[reference].shape)}")
+        rows, width = tensors[reference].shape
         for key in TOKEN_KEYS:
-            if key in data and tuple(data[key].shape) != (rows, width):
+            if key in tensors and tuple(tensors[key].shape) != (rows, width):
                 raise ValueError(
-                    f"{at}data[{key!r}] must have shape [B, S] = {(rows, width)}, got {tuple(data[key].shape)}"
+                    f"{at}data[{key!r}] must have shape [B, S] = {(rows, width)}, got {tuple(tensors[key].shape)}"
                 )
         for key in ROW_KEYS:
-            if key in data and tuple(data[key].shape) != (rows,):
-                raise ValueError(f"{at}data[{key!r}] must have shape [B] = {(rows,)}, got {tuple(data[key].shape)}")
+            if key in tensors and tuple(tensors[key].shape) != (rows,):
+                raise ValueError(f"{at}data[{key!r}] must have shape [B] = {(rows,)}, got {tuple(tensors[key].shape)}")
         for key, shape in POSITION_KEYS.items():
-            if key in data and (data[key].dim() != 3 or tuple(data[key].shape[:2]) != (rows, width)):
+            if key in tensors and (tensors[key].dim() != 3 or tuple(tensors[key].shape[:2]) != (rows, width)):
                 raise ValueError(
                     f"{at}data[{key!r}] must have shape {shape} with [B, S] = {(rows, width)} (one entry "
-                    f"per position of data[{reference!r}]), got {tuple(data[key].shape)}"
+                    f"per position of data[{reference!r}]), got {tuple(tensors[key].shape)}"
                 )
-    if "teacher_topk_logits" in data and "teacher_topk_indices" in data:
-        logits, indices = data["teacher_topk_logits"].shape, data["teacher_topk_indices"].shape
+    if "teacher_topk_logits" in tensors and "teacher_topk_indices" in tensors:
+        logits, indices = tensors["teacher_topk_logits"].shape, tensors["teacher_topk_indices"].shape
         if logits != indices:
             raise ValueError(
                 f"{at}data['teacher_topk_logits'] and data['teacher_topk_indices'] must have one shape, "
                 f"got {tuple(logits)} and {tuple(indices)}"
             )
     for key in INTEGER_KEYS:
-        if key in data and not _is_integer(data[key]):
-            if key in FLAG_KEYS and data[key].dtype == torch.bool:
+        if key in tensors and not _is_integer(tensors[key]):
+            if key in FLAG_KEYS and tensors[key].dtype == torch.bool:
                 continue
             kind = "an integer or bool" if key in FLAG_KEYS else "an integer"
-            raise TypeError(f"{at}data[{key!r}] must be {kind} tensor, got {data[key].dtype}")
+            raise TypeError(f"{at}data[{key!r}] must be {kind} tensor, got {tensors[key].dtype}")
     for key in FLOAT_KEYS:
-        if key in data and not data[key].dtype.is_floating_point:
-            raise TypeError(f"{at}data[{key!r}] must be a floating-point tensor, got {data[key].dtype}")
+        if key in tensors and not tensors[key].dtype.is_floating_point:
+            raise TypeError(f"{at}data[{key!r}] must be a floating-point tensor, got {tensors[key].dtype}")
 
 
 def _raise_first(checks: dict[str, tuple[Tensor, Tensor, str]], at: str) -> None:

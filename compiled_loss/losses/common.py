@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
 import torch
 
 from compiled_loss.checks import ConfigError
 from compiled_loss.interfaces import MetricNormalizer
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 Tensor = torch.Tensor
 
-_C = TypeVar("_C")
+_C = TypeVar("_C", bound="DataclassInstance")
 
 KL_PENALTY_KEY = "kl_penalty"
 
@@ -55,17 +58,25 @@ def require_shape(tensor: Tensor, shape: tuple[int, ...], what: str, who: str) -
         raise ValueError(f"{who}: {what} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
-def check_logprob_inputs(lp: Tensor, data: Mapping[str, Tensor], keys: tuple[str, ...], who: str) -> None:
+class MaskData(TypedDict):
+    """The masks a loss's data holds: `token_mask [B, S]`, `sample_mask [B]` (every loss's data
+    TypedDict with these keys is one)."""
+
+    token_mask: Tensor
+    sample_mask: Tensor
+
+
+def check_logprob_inputs(lp: Tensor, data: MaskData, keys: tuple[str, ...], who: str) -> None:
     """`[B, S-1]` log-probs, `[B, S]` token mask and `keys`, `[B]` sample mask."""
     require_keys(data, ("token_mask", "sample_mask") + keys, who)
     rows, width = data["token_mask"].shape
     require_shape(lp, (rows, max(width - 1, 0)), "next_token_logprobs ([B, S-1])", who)
     require_shape(data["sample_mask"], (rows,), "data['sample_mask'] ([B])", who)
     for key in keys:
-        require_shape(data[key], (rows, width), f"data[{key!r}] ([B, S])", who)
+        require_shape(cast(Mapping[str, Tensor], data)[key], (rows, width), f"data[{key!r}] ([B, S])", who)
 
 
-def float_masks(data: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def float_masks(data: MaskData, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """`token_mask[:, 1:]` and `sample_mask`, as `dtype`."""
     return data["token_mask"][:, 1:].to(dtype), data["sample_mask"].to(dtype)
 
@@ -86,6 +97,7 @@ def masked_mean(
     """
     masked = values * mask
     num = masked.sum() if dim is None else masked.sum(dim)
+    den: Tensor | float
     if global_normalization_factor is None:
         den = mask.sum() if dim is None else mask.sum(dim)
     else:
@@ -147,16 +159,13 @@ def masked_max(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask > 0, values, float("-inf")).amax() if values.numel() else values.new_tensor(float("-inf"))
 
 
-def zero_outside(mask: Tensor, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+def zero_outside(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
     """Each tensor with every entry outside `mask > 0` set to 0 (`mask` broadcast over
     trailing dims), before any math: a NaN or ±inf there then reaches no value and no
     gradient (a masked mean alone multiplies it by 0, which is NaN, and so is its gradient
     through an infinite derivative)."""
     out = []
     for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
         keep = (mask > 0).reshape(mask.shape + (1,) * (t.dim() - mask.dim()))
         out.append(torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device)))
     return tuple(out)

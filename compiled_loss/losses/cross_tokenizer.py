@@ -229,9 +229,14 @@ class TokenProjection:
         """`[N, V_t]` teacher probabilities → `[N, V_s]` (`probs @ P`)."""
         if self.dense is not None:
             return probs @ self.dense.to(probs.device)
-        t_ids, s_ids, w = (x.to(probs.device) for x in (self.teacher_ids, self.student_ids, self.weights))
+        t_ids, s_ids, w = (x.to(probs.device) for x in self._sparse())
         out = probs.new_zeros(probs.shape[0], self.student_vocab_size)
         return out.index_add(1, s_ids, probs[:, t_ids] * w)
+
+    def _sparse(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The sparse form's teacher ids, student ids and weights (set whenever `dense` is None)."""
+        assert self.teacher_ids is not None and self.student_ids is not None and self.weights is not None
+        return self.teacher_ids, self.student_ids, self.weights
 
     def exact_map(self, relaxed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The gold loss's vocabulary split (host side): common teacher ids, their student
@@ -240,7 +245,7 @@ class TokenProjection:
             t_ids, s_ids = self.dense.nonzero(as_tuple=True)  # host: once, when built
             weights = self.dense[t_ids, s_ids]
         else:
-            t_ids, s_ids, weights = self.teacher_ids, self.student_ids, self.weights
+            t_ids, s_ids, weights = self._sparse()
         keep = weights >= (_RELAXED_EXACT if relaxed else _STRICT_EXACT)
         candidates = zip(t_ids[keep].tolist(), s_ids[keep].tolist(), weights[keep].tolist())  # host: once
         winner: dict[int, int] = {}
@@ -301,6 +306,7 @@ class CrossTokenizerDistillationLossFn:
 
     cfg: CrossTokenizerDistillationLossConfig
     projections: Sequence[TokenProjection | Tensor | None] | None = None
+    _projections: tuple[TokenProjection | None, ...] = dataclasses.field(init=False, repr=False)
     _splits: tuple[tuple[Tensor, ...] | None, ...] = dataclasses.field(init=False, repr=False)
 
     loss_type = LossType.TOKEN_LEVEL
@@ -308,14 +314,15 @@ class CrossTokenizerDistillationLossFn:
 
     def __post_init__(self) -> None:
         cfg = as_config(self.cfg, CrossTokenizerDistillationLossConfig, "CrossTokenizerDistillationLossFn")
-        projections = (None,) * len(cfg.teacher_weights) if self.projections is None else tuple(self.projections)
-        cfg.validate(projections)
+        given = (None,) * len(cfg.teacher_weights) if self.projections is None else tuple(self.projections)
+        cfg.validate(given)
         projections = tuple(
-            None if p is None else TokenProjection.of(p, f"projections[{i}]") for i, p in enumerate(projections)
+            None if p is None else TokenProjection.of(p, f"projections[{i}]") for i, p in enumerate(given)
         )
         splits = tuple(p.exact_map(cfg.xtoken_loss) if cfg.gold_loss and p is not None else None for p in projections)
         object.__setattr__(self, "cfg", cfg)
         object.__setattr__(self, "projections", projections)
+        object.__setattr__(self, "_projections", projections)
         object.__setattr__(self, "_splits", splits)
 
     @property
@@ -349,7 +356,8 @@ class CrossTokenizerDistillationLossFn:
 
     @property
     def metric_normalizations(self) -> dict[str, MetricNormalizer]:
-        mode, per_teacher = self.cfg.kd_loss_mode, ()
+        mode = self.cfg.kd_loss_mode
+        per_teacher: tuple[str, ...] = ()
         if mode != "averaged_logits":
             per_teacher = self._teacher_keys("kl_loss", *(("kl_common", "l1_uncommon") if self.cfg.gold_loss else ()))
         return normalizations(
@@ -367,7 +375,7 @@ class CrossTokenizerDistillationLossFn:
         logits: Tensor,
         teachers: Mapping[int, Tensor],
         aligns: Mapping[int, Tensor],
-        data: Mapping[str, Tensor],
+        data: CrossTokenizerDistillationLossData,
         who: str,
     ) -> None:
         require_keys(data, ("input_ids", "token_mask", "sample_mask"), who)
@@ -383,7 +391,7 @@ class CrossTokenizerDistillationLossFn:
         for name, given in (("teacher_full_logits_by_idx", teachers), ("aligns_by_idx", aligns)):
             if sorted(given) != expected:
                 raise ValueError(f"{who}: {name} must hold teachers {expected}, got {sorted(given)}")
-        for i, projection in enumerate(self.projections):
+        for i, projection in enumerate(self._projections):
             vocab = logits.shape[-1] if projection is None else projection.teacher_vocab_size
             if projection is not None and projection.student_vocab_size != logits.shape[-1]:
                 raise ValueError(
@@ -410,7 +418,7 @@ class CrossTokenizerDistillationLossFn:
         logits: Tensor,
         teacher_full_logits_by_idx: Mapping[int, Tensor],
         aligns_by_idx: Mapping[int, Tensor],
-        data: Mapping[str, Tensor],
+        data: CrossTokenizerDistillationLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -468,7 +476,7 @@ class CrossTokenizerDistillationLossFn:
         scored = cfg.kd_loss_mode == "select_teacher" or cfg.sum_weights_metric is not None
         kds, scores, metrics = [], [], {}
         smallest = min(u.shape[-1] for u, _ in teachers)
-        for i, ((u, mask_i), projection, split) in enumerate(zip(teachers, self.projections, self._splits)):
+        for i, ((u, mask_i), projection, split) in enumerate(zip(teachers, self._projections, self._splits)):
             log_q = torch.log_softmax(u / cfg.temperature, -1)
             if projection is None:
                 log_r = log_q
@@ -498,7 +506,8 @@ class CrossTokenizerDistillationLossFn:
             weights = torch.softmax(cfg.alpha * torch.stack(scores), 0)
         else:
             weights = torch.tensor(cfg.teacher_weights, device=y.device)
-        kd = sum(torch.where(weights[i] > 0, weights[i] * kd_i, 0.0) for i, kd_i in enumerate(kds))
+        terms = [torch.where(weights[i] > 0, weights[i] * kd_i, 0.0) for i, kd_i in enumerate(kds)]
+        kd = sum(terms[1:], terms[0])
         metrics.update({f"weight_t{i}": weights[i] for i in range(len(kds))})
         return kd, metrics
 
@@ -519,7 +528,8 @@ class CrossTokenizerDistillationLossFn:
         """`averaged_logits`: one KD against the weighted mean of the aligned teacher logits."""
         cfg = self.cfg
         total = sum(cfg.teacher_weights)
-        mean = sum(u * (w / total) for (u, _), w in zip(teachers, cfg.teacher_weights))
+        scaled = [u * (w / total) for (u, _), w in zip(teachers, cfg.teacher_weights)]
+        mean = sum(scaled[1:], scaled[0])
         mask = teachers[0][1]
         for _, mask_i in teachers[1:]:
             mask = mask * mask_i

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Literal, NotRequired, TypedDict
 
 import torch
@@ -86,7 +85,7 @@ class DistillationLossFn:
         student_topk_logprobs: Tensor,
         teacher_topk_logprobs: Tensor,
         H_all: Tensor | None,
-        data: Mapping[str, Tensor],
+        data: DistillationLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -100,7 +99,8 @@ class DistillationLossFn:
         masked = "token_mask" in data and "sample_mask" in data
         if masked:
             mask = data["token_mask"][:, 1:][:, : s.shape[1]].to(s.dtype) * data["sample_mask"].to(s.dtype)[:, None]
-            s, t, H_all = zero_outside(mask, s, t, H_all)
+            s, t = zero_outside(mask, s, t)
+            H_all = None if H_all is None else zero_outside(mask, H_all)[0]
         kl_type, w = self.cfg.kl_type, self.cfg.mixed_kl_weight
         ps, pt = torch.exp(s), torch.exp(t)
         forward = (pt * (t - s)).sum(-1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import TypedDict
 
 import torch
@@ -46,7 +45,7 @@ class NLLLossFn:
     def __call__(
         self,
         next_token_logprobs: Tensor,
-        data: Mapping[str, Tensor],
+        data: NLLLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
         dpo_loss: bool = False,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired
 
 import torch
 
@@ -18,6 +18,7 @@ from compiled_loss.checks import check_fields, require
 from compiled_loss.interfaces import MetricNormalizer
 from compiled_loss.losses.common import (
     KL_PENALTY_KEY,
+    MaskData,
     calculate_kl,
     check_logprob_inputs,
     float_masks,
@@ -33,6 +34,12 @@ from compiled_loss.losses.common import (
 )
 
 Tensor = torch.Tensor
+
+
+class OpdFullData(MaskData):
+    """What the OPD_FULL objective reads of `ClippedPGLossFn`'s data (`ClippedPGLossData`)."""
+
+    reference_policy_logprobs: NotRequired[Tensor]  # with a reference KL (β ≠ 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,19 +119,22 @@ def opd_full_normalizations(opd: OPDFullConfig, token_level: bool) -> dict[str, 
 def opd_full_objective(
     cfg: Any,
     opd: OPDFullConfig,
-    data: Mapping[str, Tensor],
+    beta: float,
+    data: OpdFullData,
     g_seqs: Tensor | None,
     g_toks: Tensor | None,
-    divergence: Tensor,
-    entropy: Tensor | None,
-    cross_entropy: Tensor | None,
+    inputs: Mapping[str, Tensor | None],
     next_token_logprobs: Tensor | None,
-    beta: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss = the reverse KL reduced like the loss (token or sequence level) + the optional
     sampled reference KL `β · KL(π ‖ π_ref)` with score-function weights `exp(lp - lp.detach())`;
-    metrics per ref §4.1.8 (min / max with ±inf sentinels)."""
+    metrics per ref §4.1.8 (min / max with ±inf sentinels). `cfg`: the `ClippedPGLossConfig`;
+    `inputs`: the OPD_FULL inputs by name."""
     who = "ClippedPGLossFn(opd_full)"
+    divergence = inputs.get("opd_full_divergence")
+    if divergence is None:
+        raise ValueError(f"{who}: opd_full_divergence ([B, S-1]) is required")
+    entropy, cross_entropy = inputs.get("opd_full_entropy"), inputs.get("opd_full_cross_entropy")
     require_keys(data, ("token_mask", "sample_mask"), who)
     rows, width = data["token_mask"].shape
     shape = (rows, max(width - 1, 0))
@@ -143,7 +153,9 @@ def opd_full_objective(
             raise ValueError(f"{who}: the config reports {name}; the input preparation must pass it")
     tm, sm = float_masks(data, divergence.dtype)
     mask = tm * sm[:, None]
-    divergence, entropy, cross_entropy = zero_outside(mask, divergence, entropy, cross_entropy)
+    (divergence,) = zero_outside(mask, divergence)
+    entropy = None if entropy is None else zero_outside(mask, entropy)[0]
+    cross_entropy = None if cross_entropy is None else zero_outside(mask, cross_entropy)[0]
     token_level = cfg.token_level_loss
     loss = reduce_like_loss(divergence, tm, sm, token_level, g_toks, g_seqs)
     kl = divergence.new_zeros(())
@@ -171,12 +183,12 @@ def opd_full_objective(
         "opd_full_reverse_kl_min": masked_min(d, mask),
         "opd_full_reverse_kl_max": masked_max(d, mask),
     }
-    if opd.with_entropy:
+    if entropy is not None and opd.with_entropy:
         metrics["opd_full_entropy"] = masked_mean(entropy.detach(), mask, global_normalization_factor=g_toks)
-    if opd.with_cross_entropy:
+    if cross_entropy is not None and opd.with_cross_entropy:
         metrics["opd_full_cross_entropy"] = masked_mean(
             cross_entropy.detach(), mask, global_normalization_factor=g_toks
         )
-    if opd.validate_decomposition:
+    if entropy is not None and cross_entropy is not None and opd.validate_decomposition:
         metrics["opd_full_decomposition_error"] = masked_max((cross_entropy - entropy - d).abs().detach(), mask)
     return loss, metrics

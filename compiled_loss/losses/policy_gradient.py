@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, NotRequired, TypedDict
 
 import torch
@@ -224,6 +224,9 @@ class ClippedPGLossFn:
     opd_full: OPDFullConfig | None = None
     _: dataclasses.KW_ONLY
     seq_logprob_error_threshold: float | None = None
+    _compiled: Callable[..., tuple[Tensor, dict[str, Tensor]]] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         cfg = as_config(self.cfg, ClippedPGLossConfig, "ClippedPGLossFn")
@@ -344,7 +347,7 @@ class ClippedPGLossFn:
     def __call__(
         self,
         next_token_logprobs: Tensor | None = None,
-        data: Mapping[str, Tensor] | None = None,
+        data: ClippedPGLossData | None = None,
         global_valid_seqs: Tensor | None = None,
         global_valid_toks: Tensor | None = None,
         curr_logprobs_unfiltered: Tensor | None = None,
@@ -355,11 +358,11 @@ class ClippedPGLossFn:
         NeMo-RL's `data["curr_logprobs_unfiltered"]`; the keyword wins). OPD_FULL inputs
         (keywords): `opd_full_divergence`, `opd_full_entropy`, `opd_full_cross_entropy` `[B, S-1]`
         and `next_token_logprobs` when β ≠ 0."""
-        objective = self._objective
+        objective: Callable[..., tuple[Tensor, dict[str, Tensor]]] = self._objective
         if self.cfg.enable_torch_compile and not torch.compiler.is_compiling():
             if self._compiled is None:
                 object.__setattr__(self, "_compiled", compile_loss(self._objective, fullgraph=True))
-            objective = self._compiled
+            objective = self._compiled or objective
         return objective(
             next_token_logprobs, data, global_valid_seqs, global_valid_toks, curr_logprobs_unfiltered, **opd_full_inputs
         )
@@ -373,20 +376,15 @@ class ClippedPGLossFn:
         if unknown:
             raise TypeError(f"ClippedPGLossFn: unexpected inputs {unknown}")
         if self.opd_full is not None:
-            divergence = opd_full_inputs.get("opd_full_divergence")
-            if divergence is None:
-                raise ValueError("ClippedPGLossFn(opd_full): opd_full_divergence ([B, S-1]) is required")
             loss, metrics = opd_full_objective(
                 self.cfg,
                 self.opd_full,
+                self.reference_policy_kl_penalty,
                 data,
                 global_valid_seqs,
                 global_valid_toks,
-                divergence,
-                opd_full_inputs.get("opd_full_entropy"),
-                opd_full_inputs.get("opd_full_cross_entropy"),
+                opd_full_inputs,
                 next_token_logprobs,
-                self.reference_policy_kl_penalty,
             )
         else:
             if any(v is not None for v in opd_full_inputs.values()):
@@ -403,7 +401,7 @@ class ClippedPGLossFn:
     def _policy_gradient(
         self,
         next_token_logprobs: Tensor,
-        data: Mapping[str, Tensor],
+        data: ClippedPGLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
         unfiltered: Tensor | None,
@@ -445,7 +443,7 @@ class ClippedPGLossFn:
         metrics.update({k: v.detach() for k, v in {**tis_metrics, **extra}.items()})
         return loss, metrics
 
-    def token_objective(self, next_token_logprobs: Tensor, data: Mapping[str, Tensor]) -> Tensor:
+    def token_objective(self, next_token_logprobs: Tensor, data: ClippedPGLossData) -> Tensor:
         """The actor objective per token, `[B, S-1]` like `next_token_logprobs`: the clipped
         surrogate (PPO with the dual clip, CISPO, REINFORCE, GSPO's sequence ratio), times the
         importance weights with `use_importance_sampling_correction`, 0 outside the mask. The
@@ -461,31 +459,35 @@ class ClippedPGLossFn:
     # ---- the steps, in the reference's order -------------------------------------------
 
     def _tokens(
-        self, lp: Tensor, data: Mapping[str, Tensor], unfiltered: Tensor | None
+        self, lp: Tensor, data: ClippedPGLossData, unfiltered: Tensor | None
     ) -> tuple[_Tokens, dict[str, Tensor]]:
         """Check and align the inputs, zeroed outside the mask; apply the in-loss sequence
         filter (ref §4.1.8). `unfiltered`: the unfiltered log-probs (else NeMo-RL's data key,
         else `lp`)."""
         cfg, beta = self.cfg, self.reference_policy_kl_penalty
-        keys = ("advantages", "generation_logprobs")
+        keys: tuple[str, ...] = ("advantages", "generation_logprobs")
         keys += () if cfg.force_on_policy_ratio else ("prev_logprobs",)
         keys += ("reference_policy_logprobs",) if beta != 0 else ()
         check_logprob_inputs(lp, data, keys, "ClippedPGLossFn")
         tm, sm = float_masks(data, lp.dtype)
         mask0 = tm * sm[:, None]
         lp_u = data.get("curr_logprobs_unfiltered", lp) if unfiltered is None else unfiltered
-        lp_prev = None if cfg.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
-        lp_ref = data["reference_policy_logprobs"][:, 1:] if beta != 0 else None
-        lp, lp_u, lp_prev, lp_gen, lp_ref, adv = zero_outside(
-            mask0, lp, lp_u, lp_prev, data["generation_logprobs"][:, 1:], lp_ref, data["advantages"][:, 1:]
+        lp, lp_u, lp_gen, adv = zero_outside(
+            mask0, lp, lp_u, data["generation_logprobs"][:, 1:], data["advantages"][:, 1:]
         )
+        # with force_on_policy_ratio the previous policy is the current one (set once filtered, below)
+        lp_prev = lp if cfg.force_on_policy_ratio else zero_outside(mask0, data["prev_logprobs"][:, 1:])[0]
+        lp_ref = zero_outside(mask0, data["reference_policy_logprobs"][:, 1:])[0] if beta != 0 else None
         extra: dict[str, Tensor] = {}
         if cfg.seq_logprob_error_in_loss:
             err_tok = torch.exp((lp.detach() - lp_gen).abs())
             err = torch.where(mask0 > 0, err_tok, 0.0).sum(-1) / (mask0.sum(-1) + 1e-8)
-            keep = (err <= self.seq_logprob_error_threshold).to(sm.dtype)
+            threshold = self.seq_logprob_error_threshold
+            assert threshold is not None  # `validate`: the filter needs its threshold
+            keep = (err <= threshold).to(sm.dtype)
             new_sm = sm * keep
-            lp, lp_u, lp_gen, lp_ref = zero_outside(tm * new_sm[:, None], lp, lp_u, lp_gen, lp_ref)
+            lp, lp_u, lp_gen = zero_outside(tm * new_sm[:, None], lp, lp_u, lp_gen)
+            lp_ref = None if lp_ref is None else zero_outside(tm * new_sm[:, None], lp_ref)[0]
             extra = {
                 "num_masked_seqs_by_logprob_error": (sm * (1 - keep)).sum(),
                 "seq_logprob_error_valid_tokens": (tm * new_sm[:, None]).sum(),
@@ -514,7 +516,7 @@ class ClippedPGLossFn:
     def _reference_kl(self, x: _Tokens, g_toks: Tensor | None, g_seqs: Tensor | None) -> Tensor:
         """β · KL(π ‖ π_ref) with the score-function weights (ref §4.1.5 step 2, §13.5)."""
         cfg, beta = self.cfg, self.reference_policy_kl_penalty
-        if beta == 0:
+        if x.lp_ref is None:  # β = 0
             return x.lp.new_zeros(())
         if cfg.use_on_policy_kl_approximation:
             w_kl = torch.exp(x.lp_u - x.lp_gen)
@@ -569,11 +571,13 @@ class ClippedPGLossFn:
         if tis_type is None:
             return is_w, {}
         hi, lo = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
+        assert hi is not None  # `validate`: a truncation type needs its ratio
         dtype = x.lp.dtype
         if tis_type == "tis":
             lo = 0.0 if lo is None else lo
             oob = masked_mean(((is_w > hi) | (is_w < lo)).to(dtype), x.mask, global_normalization_factor=g_toks)
             return is_w.clamp(lo, hi), {"is_oob_ratio": oob}
+        assert lo is not None  # `validate`: icepop and seq-mask-tis need the minimum
         if tis_type == "icepop":
             keep = (is_w >= lo) & (is_w <= hi)
             oob = masked_mean((~keep).to(dtype), x.mask, global_normalization_factor=g_toks)
@@ -584,7 +588,7 @@ class ClippedPGLossFn:
         oob = masked_mean(1 - keep_s, x.sm, global_normalization_factor=g_seqs)
         return is_w * keep_s[:, None], {"is_oob_ratio": oob}
 
-    def _positive_nll(self, x: _Tokens, data: Mapping[str, Tensor]) -> Tensor:
+    def _positive_nll(self, x: _Tokens, data: ClippedPGLossData) -> Tensor:
         """VAPO: NLL over positive-reward responses, LOCAL denominator (ref §13.6); exactly
         0 when the micro-batch holds no positive-reward token (as the reference skips it)."""
         if not (self.cfg.positive_example_nll_weight > 0 and "rewards" in data):

@@ -41,28 +41,31 @@ from compiled_loss.losses.nll import NLLLossFn
 
 Tensor = torch.Tensor
 
-_PAIR_KEYS = ("pair_index", "is_chosen")
-
 
 def check_even_rows(rows: int, who: str) -> None:
     if rows % 2:
         raise ValueError(f"{who}: rows must be interleaved (chosen, rejected) pairs, got an odd batch of {rows}")
 
 
-def _pair_keys(data: Mapping[str, Tensor]) -> Tensor | None:
-    """`2·pair_index + (1 - is_chosen)` per row, or None when the data names no pairs
-    (`is_chosen` integer or bool: True is 1)."""
-    if not all(key in data for key in _PAIR_KEYS):
-        return None
-    return 2 * data["pair_index"].long() + (1 - data["is_chosen"].long())
+def _pair_naming(data: Mapping[str, object]) -> tuple[Tensor, Tensor] | None:
+    """`pair_index` and `is_chosen`, or None when the data names no pairs."""
+    index, chosen = data.get("pair_index"), data.get("is_chosen")
+    return (index, chosen) if isinstance(index, Tensor) and isinstance(chosen, Tensor) else None
 
 
-def check_pairs(data: Mapping[str, Tensor], who: str = "preference data") -> None:
+def _pair_keys(naming: tuple[Tensor, Tensor]) -> Tensor:
+    """`2·pair_index + (1 - is_chosen)` per row (`is_chosen` integer or bool: True is 1)."""
+    index, chosen = naming
+    return 2 * index.long() + (1 - chosen.long())
+
+
+def check_pairs(data: Mapping[str, object], who: str = "preference data") -> None:
     """Host side (one sync): `pair_index` / `is_chosen` name exactly one chosen and one
     rejected row per pair index (ref §4.3). A no-op when the data names no pairs."""
-    key = _pair_keys(data)
-    if key is None:
+    naming = _pair_naming(data)
+    if naming is None:
         return
+    key = _pair_keys(naming)
     rows = key.shape[0]
     check_even_rows(rows, who)
     ordered = key.sort(stable=True).values.reshape(-1, 2)
@@ -71,20 +74,20 @@ def check_pairs(data: Mapping[str, Tensor], who: str = "preference data") -> Non
     if not ok.item():  # host
         raise ValueError(
             f"{who}: pair_index / is_chosen must name exactly one chosen and one rejected row per "
-            f"pair index, got pair_index={data['pair_index'].tolist()} "  # host
-            f"is_chosen={data['is_chosen'].tolist()}"  # host
+            f"pair index, got pair_index={naming[0].tolist()} "  # host
+            f"is_chosen={naming[1].tolist()}"  # host
         )
 
 
-def pair_order(data: Mapping[str, Tensor]) -> Tensor | None:
+def pair_order(data: Mapping[str, object]) -> Tensor | None:
     """Row order that interleaves each pair's chosen then rejected row, by pair index
     (None: the rows already are interleaved). Checked in eager mode (`check_pairs`)."""
-    key = _pair_keys(data)
-    if key is None:
+    naming = _pair_naming(data)
+    if naming is None:
         return None
     if not torch.compiler.is_compiling():
         check_pairs(data)
-    return torch.argsort(key, stable=True)
+    return torch.argsort(_pair_keys(naming), stable=True)
 
 
 def _pairs(global_valid_seqs: Tensor | None) -> Tensor | None:
@@ -159,7 +162,7 @@ class PreferenceLossFn:
     def __call__(
         self,
         logits: Tensor,
-        data: Mapping[str, Tensor],
+        data: PreferenceLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -209,7 +212,7 @@ class DPOLossConfig:
         _require_weights(self, "reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight")
 
 
-def _pair_logratios(lp: Tensor, data: Mapping[str, Tensor], who: str) -> tuple[Tensor, Tensor, Tensor]:
+def _pair_logratios(lp: Tensor, data: DPOLossData, who: str) -> tuple[Tensor, Tensor, Tensor]:
     """Checked DPO inputs: `token_mask[:, 1:]`, `sample_mask` and the per-token log-ratio
     `lp - ref` `[B, S-1]`, zero outside the token mask (`ref` is pre-rolled, ref §1.2)."""
     check_logprob_inputs(lp, data, ("reference_policy_logprobs",), who)
@@ -231,7 +234,7 @@ def _in_pair_order(order: Tensor | None, *rows: Tensor) -> tuple[Tensor, ...]:
 
 def _chosen_sft(
     lp: Tensor,
-    data: Mapping[str, Tensor],
+    data: DPOLossData,
     order: Tensor | None,
     sm: Tensor,
     average: bool,
@@ -280,7 +283,7 @@ class DPOLossFn:
     def __call__(
         self,
         next_token_logprobs: Tensor,
-        data: Mapping[str, Tensor],
+        data: DPOLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -417,7 +420,7 @@ class MPOLossFn:
     def __call__(
         self,
         next_token_logprobs: Tensor,
-        data: Mapping[str, Tensor],
+        data: MPOLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import NotRequired, TypedDict
 
 import torch
@@ -74,24 +73,24 @@ class MseValueLossFn:
     def __call__(
         self,
         logits: Tensor,
-        data: Mapping[str, Tensor],
+        data: MseValueLossData,
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         who = "MseValueLossFn"
         cfg = self.cfg
-        clipped = cfg.cliprange is not None and cfg.cliprange > 0
-        require_keys(data, ("token_mask", "sample_mask", "returns") + (("values",) if clipped else ()), who)
+        clip = cfg.cliprange if cfg.cliprange is not None and cfg.cliprange > 0 else None
+        require_keys(data, ("token_mask", "sample_mask", "returns") + (("values",) if clip is not None else ()), who)
         values = logits.squeeze(-1) if logits.shape[-1] == 1 else logits
         tm = data["token_mask"]
         require_shape(values, tuple(tm.shape), "values (logits squeezed, [B, S])", who)
         mask = tm.to(torch.float32) * data["sample_mask"].to(torch.float32)[:, None]
-        old = data["values"].float() if clipped else None
-        values, returns, old = zero_outside(mask, values.float(), data["returns"].float(), old)
+        values, returns = zero_outside(mask, values.float(), data["returns"].float())
         g = global_valid_toks
         unclipped = (values - returns).square()
-        if clipped:
-            v_clipped = torch.minimum(torch.maximum(values, old - cfg.cliprange), old + cfg.cliprange)
+        if clip is not None:
+            (old,) = zero_outside(mask, data["values"].float())
+            v_clipped = torch.minimum(torch.maximum(values, old - clip), old + clip)
             clipped_sq = (v_clipped - returns).square()
             per_token = torch.maximum(unclipped, clipped_sq)
             clipfrac = masked_mean((clipped_sq > unclipped).to(values.dtype), mask, global_normalization_factor=g)

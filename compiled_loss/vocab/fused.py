@@ -27,10 +27,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._higher_order_ops.scan import scan
+from torch.distributed import ProcessGroup
 
 from compiled_loss.parallel import group_rank
 from compiled_loss.vocab.sampling import _thresholds
@@ -41,6 +42,8 @@ from compiled_loss.vocab.stats import (
     _live,
     _local_index,
     _merge_shards,
+    _row_slice,
+    _RowGrad,
     _shard_stats,
 )
 
@@ -168,9 +171,13 @@ def _head_grad(z: Tensor, g: Tensor, head: tuple[float | None, float]) -> Tensor
     return g
 
 
-def _cast(dtype: torch.dtype, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """Each tensor in `dtype` (differentiable: its gradient comes back in its own dtype)."""
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
+def _cast(
+    dtype: torch.dtype | None, hidden: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The head's factors in `dtype` (`LinearLogits.dtype`, set once the `LinearLogits` is
+    built); differentiable: each gradient comes back in its factor's own dtype."""
+    assert dtype is not None
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def per_position(logits: Tensor | LinearLogits, fn: Callable[[Tensor], Tensor]) -> Tensor | LinearLogits:
@@ -196,61 +203,54 @@ def _chunks(n_rows: int, vocab: int, chunk_size: int | None) -> list[tuple[int, 
 # last, shorter chunk gets a second one): compile time does not grow with the chunks' number.
 
 
+class _Options(NamedTuple):
+    """The constants of one `linear_vocab_reduce`: the top-k / top-p filter (None without
+    one), whether the entropy is wanted, the rows per chunk (None: the default) and the
+    head's `(softcap, scale)` (`LinearLogits.head`)."""
+
+    top_k_top_p: tuple[int | None, float | None] | None
+    entropy: bool
+    chunk_size: int | None
+    head: tuple[float | None, float]
+
+
 @torch.compiler.nested_compile_region
-def _reduce_chunk(h, weight, bias, local, in_shard, teacher, top_k_top_p, entropy, group, head):
+def _reduce_chunk(h, weight, bias, local, in_shard, teacher, group, options):
     """One row chunk's statistics (`_shard_stats`) and its top-k / top-p thresholds (None
     without a filter), taken from the very logits they filter."""
-    x = _head(torch.nn.functional.linear(h, weight, bias).float(), head)
-    threshold = None if top_k_top_p is None else _thresholds(x, *top_k_top_p, group=group)
+    x = _head(torch.nn.functional.linear(h, weight, bias).float(), options.head)
+    threshold = None if options.top_k_top_p is None else _thresholds(x, *options.top_k_top_p, group=group)
     x, _ = _filtered_chunk(x, threshold, False)
-    return *_shard_stats(x, teacher, local, in_shard, entropy), *([] if threshold is None else [threshold])
+    stats = _shard_stats(x, teacher, local, in_shard, options.entropy)
+    return *stats, *([] if threshold is None else [threshold])
 
 
 @torch.compiler.nested_compile_region
-def _column_grad_chunk(
-    hidden, weight, bias, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy, grad_hidden, head
-):
+def _column_grad_chunk(hidden, weight, bias, rows, grad_hidden, options):
     """One vocabulary column chunk of the backward: `dH` accumulated (fp32), this chunk's
     rows of `dW` and `d bias`."""
     z = torch.nn.functional.linear(hidden, weight, bias).float()
-    g = _chunk_grad(_head(z, head), None, teacher, lse, negent, teacher_lse, grads, local, in_chunk, live, entropy)
-    g = _head_grad(z, g, head).to(weight.dtype)
+    g = _chunk_grad(_head(z, options.head), None, rows, options.entropy)
+    g = _head_grad(z, g, options.head).to(weight.dtype)
     grad_bias = [] if bias is None else [g.float().sum(0).to(bias.dtype)]
     return grad_hidden + (g @ weight).float(), g.t() @ hidden, *grad_bias
 
 
 @torch.compiler.nested_compile_region
-def _row_grad_chunk(
-    h,
-    weight,
-    bias,
-    threshold,
-    teacher,
-    lse,
-    negent,
-    teacher_lse,
-    grads,
-    local,
-    in_shard,
-    live,
-    entropy,
-    grad_weight,
-    grad_bias,
-    head,
-):
+def _row_grad_chunk(h, weight, bias, threshold, rows, grad_weight, grad_bias, options):
     """One row chunk of the backward under top-k / top-p (the keep mask from the same logits
     as in the forward): its rows of `dH`, `dW` and `d bias` accumulated (fp32)."""
     z = torch.nn.functional.linear(h, weight, bias).float()
-    x, kept = _filtered_chunk(_head(z, head), threshold, True)
-    g = _chunk_grad(x, kept, teacher, lse, negent, teacher_lse, grads, local, in_shard, live, entropy)
-    g = _head_grad(z, g, head).to(weight.dtype)
+    x, kept = _filtered_chunk(_head(z, options.head), threshold, True)
+    g = _chunk_grad(x, kept, rows, options.entropy)
+    g = _head_grad(z, g, options.head).to(weight.dtype)
     grad_bias = [] if grad_bias is None else [grad_bias + g.float().sum(0)]
     return g @ weight, grad_weight + (g.t() @ h).float(), *grad_bias
 
 
 class _LinearVocabReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group, head):
+    def forward(ctx, hidden, weight, bias, index, teacher, group, options):
         n, vocab = hidden.shape[0], weight.shape[0]
         local, in_shard = _local_index(index, group_rank(group) * vocab, vocab)
         parts = [
@@ -261,20 +261,18 @@ class _LinearVocabReduce(torch.autograd.Function):
                 local[s:e],
                 in_shard[s:e],
                 None if teacher is None else teacher[s:e],
-                top_k_top_p,
-                entropy,
                 group,
-                head,
+                options,
             )
-            for s, e in _chunks(n, vocab, chunk_size)
+            for s, e in _chunks(n, vocab, options.chunk_size)
         ]
         stats, weighted, picked = (torch.cat(p) for p in list(zip(*parts))[:3])
-        threshold = None if top_k_top_p is None else torch.cat([p[3] for p in parts])
+        threshold = None if options.top_k_top_p is None else torch.cat([p[3] for p in parts])
         lse, picked, negent, cross, teacher_lse = _merge_shards(
-            stats, weighted, picked, entropy, teacher is not None, group
+            stats, weighted, picked, options.entropy, teacher is not None, group
         )
         ctx.save_for_backward(hidden, weight, bias, local, in_shard, threshold, teacher, lse, negent, teacher_lse)
-        ctx.chunk_size, ctx.entropy, ctx.head = chunk_size, entropy, head
+        ctx.options = options
         return lse, picked, negent, cross
 
     @staticmethod
@@ -283,122 +281,64 @@ class _LinearVocabReduce(torch.autograd.Function):
         # the per-row inputs as tensors of their own: the compiled chunk regions take no two
         # arguments that alias each other (upstream gradients may be views of one buffer)
         grads = tuple(g.clone() for g in grads)
+        rows = _RowGrad(teacher, lse, negent, teacher_lse, grads, local, in_shard, _live(grads))
         if threshold is None:
-            grad_hidden, grad_weight, grad_bias = _vocab_chunked_backward(
-                hidden,
-                weight,
-                bias,
-                local,
-                in_shard,
-                teacher,
-                lse,
-                negent,
-                teacher_lse,
-                grads,
-                ctx.entropy,
-                ctx.chunk_size,
-                ctx.head,
-            )
+            grad_hidden, grad_weight, grad_bias = _vocab_chunked_backward(hidden, weight, bias, rows, ctx.options)
         else:  # the keep mask must be recomputed from the forward's own row chunks
             grad_hidden, grad_weight, grad_bias = _row_chunked_backward(
-                hidden,
-                weight,
-                bias,
-                local,
-                in_shard,
-                threshold,
-                teacher,
-                lse,
-                negent,
-                teacher_lse,
-                grads,
-                ctx.entropy,
-                ctx.chunk_size,
-                ctx.head,
+                hidden, weight, bias, threshold, rows, ctx.options
             )
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _vocab_chunked_backward(
-    hidden, weight, bias, local, in_shard, teacher, lse, negent, teacher_lse, grads, entropy, chunk_size, head
-):
+def _vocab_chunked_backward(hidden, weight, bias, rows, options):
     """dH, dW, d bias over column chunks of the vocabulary (as many logits per chunk as a
     row chunk holds): each chunk's rows of dW and d bias are computed once — no dW-sized
     partial sums — and only the small `[N, H]` dH accumulates (in fp32)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    live = _live(grads)
-    step = max(1, _chunk_rows(n, vocab, chunk_size) * vocab // max(n, 1), -(-vocab // _MAX_CHUNKS))
+    step = max(1, _chunk_rows(n, vocab, options.chunk_size) * vocab // max(n, 1), -(-vocab // _MAX_CHUNKS))
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight, grad_bias = [], []
     for a in range(0, vocab, step):
         b = min(a + step, vocab)
-        chunk_index, in_chunk = _local_index(local, a, b - a)
+        chunk_index, in_chunk = _local_index(rows.local, a, b - a)
+        chunk_rows = _RowGrad(
+            None if rows.teacher is None else rows.teacher[:, a:b],
+            rows.lse,
+            rows.negent,
+            rows.teacher_lse,
+            rows.grads,
+            chunk_index,
+            in_chunk & rows.in_shard,
+            rows.live,
+        )
         grad_hidden, grad_w, *grad_b = _column_grad_chunk(
             hidden,
             weight[a:b],
             None if bias is None else bias[a:b],
-            None if teacher is None else teacher[:, a:b],
-            lse,
-            negent,
-            teacher_lse,
-            grads,
-            chunk_index,
-            in_chunk & in_shard,
-            live,
-            entropy,
+            chunk_rows,
             grad_hidden,
-            head,
+            options,
         )
         grad_weight.append(grad_w)
         grad_bias += grad_b
     return (grad_hidden.to(hidden.dtype), torch.cat(grad_weight), None if bias is None else torch.cat(grad_bias))
 
 
-def _row_chunked_backward(
-    hidden,
-    weight,
-    bias,
-    local,
-    in_shard,
-    threshold,
-    teacher,
-    lse,
-    negent,
-    teacher_lse,
-    grads,
-    entropy,
-    chunk_size,
-    head,
-):
+def _row_chunked_backward(hidden, weight, bias, threshold, rows, options):
     """dH, dW, d bias over the forward's row chunks (each chunk's keep mask from the same
     logits as in the forward)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    live = _live(grads)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     grad_bias = None if bias is None else torch.zeros(vocab, dtype=torch.float32, device=weight.device)
-    rows = []
-    for s, e in _chunks(n, vocab, chunk_size):
-        grad_rows, grad_weight, *grad_b = _row_grad_chunk(
-            hidden[s:e],
-            weight,
-            bias,
-            threshold[s:e],
-            None if teacher is None else teacher[s:e],
-            lse[s:e],
-            negent[s:e],
-            teacher_lse[s:e],
-            tuple(g[s:e] for g in grads),
-            local[s:e],
-            in_shard[s:e],
-            live[s:e],
-            entropy,
-            grad_weight,
-            grad_bias,
-            head,
+    grad_rows = []
+    for s, e in _chunks(n, vocab, options.chunk_size):
+        grad_h, grad_weight, *grad_b = _row_grad_chunk(
+            hidden[s:e], weight, bias, threshold[s:e], _row_slice(rows, s, e), grad_weight, grad_bias, options
         )
-        rows.append(grad_rows)
+        grad_rows.append(grad_h)
         grad_bias = grad_b[0] if grad_b else None
-    return torch.cat(rows), grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype)
+    return torch.cat(grad_rows), grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype)
 
 
 def linear_vocab_reduce(
@@ -408,7 +348,7 @@ def linear_vocab_reduce(
     teacher: Tensor | None,
     entropy: bool,
     chunk_size: int | None,
-    group: Any,
+    group: ProcessGroup | None,
 ) -> VocabStats:
     """`vocab_reduce` of `LinearLogits` with `[N, H]` hidden states (called by it, arguments
     checked there), computed `chunk_size` rows at a time (default: ~16 MiB of fp32 logits
@@ -423,7 +363,7 @@ def linear_vocab_reduce(
     with torch.autocast(hidden.device.type, enabled=False):  # the projection in the logits' own dtype
         return VocabStats(
             *_LinearVocabReduce.apply(
-                hidden, weight, bias, index, top_k_top_p, teacher, entropy, chunk_size, group, logits.head
+                hidden, weight, bias, index, teacher, group, _Options(top_k_top_p, entropy, chunk_size, logits.head)
             )
         )
 
@@ -465,7 +405,7 @@ def linear_vocab_gradient(
     index: Tensor,
     objective: Callable[[VocabStats], Tensor],
     chunk_size: int | None,
-    group: Any,
+    group: ProcessGroup | None,
 ) -> tuple[VocabStats, Tensor]:
     """`linear_vocab_reduce` for a scalar `objective` of the row statistics that is a sum over
     rows of a function of each row's own statistics: the gradient in the forward, three
@@ -502,7 +442,8 @@ def linear_vocab_gradient(
         x = _head(z, logits.head)
         stats = VocabStats(*_merge_shards(*_shard_stats(x, None, local, in_shard, False), False, False, group)[:4])
         grads = tuple(torch.func.grad(lambda chunk_stats: objective(placed(chunk_stats, at)))(stats))
-        g = _chunk_grad(x, None, None, stats.lse, stats.negent, None, grads, local, in_shard, _live(grads), False)
+        rows = _RowGrad(None, stats.lse, stats.negent, None, grads, local, in_shard, _live(grads))
+        g = _chunk_grad(x, None, rows, False)
         g = _head_grad(z, g, logits.head).to(w.dtype)
         grad_weight, *grad_bias = accumulated
         if h.dtype == torch.float32:
@@ -518,9 +459,8 @@ def linear_vocab_gradient(
     (grad_weight, *grad_bias), (*stats, grad_hidden) = _scan(
         chunk, zeros, tuple(t.unflatten(0, (count, step)) for t in xs)
     )
-    stats = VocabStats(*(t.flatten(0, 1)[:n] for t in stats))
-    grad_bias = grad_bias[0].to(bias.dtype) if grad_bias else None
+    bias_grad = grad_bias[0].to(bias.dtype) if bias is not None else None
     carrier = _GradientCarrier.apply(
-        hidden, weight, bias, grad_hidden.flatten(0, 1)[:n], grad_weight.to(weight.dtype), grad_bias
+        hidden, weight, bias, grad_hidden.flatten(0, 1)[:n], grad_weight.to(weight.dtype), bias_grad
     )
-    return stats, carrier
+    return VocabStats(*(t.flatten(0, 1)[:n] for t in stats)), carrier

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from compiled_loss.parallel import check_agreement, group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
@@ -40,6 +41,8 @@ from compiled_loss.vocab.stats import (
     _local_index,
     _merge_shards,
     _row_chunks,
+    _row_slice,
+    _RowGrad,
     _shard_stats,
     _xlogp_safe,
     check_chunk_size,
@@ -75,23 +78,11 @@ class _VocabReduce(torch.autograd.Function):
     def backward(ctx, *grads):
         logits, local, in_shard, threshold, teacher, lse, negent, teacher_lse = ctx.saved_tensors
         n, vocab = logits.shape
-        live = _live(grads)
+        rows = _RowGrad(teacher, lse, negent, teacher_lse, grads, local, in_shard, _live(grads))
         grad = torch.empty_like(logits)
         for s, e in _row_chunks(n, vocab, ctx.chunk_size):
             x, kept = _filtered_chunk(logits[s:e].float(), None if threshold is None else threshold[s:e], True)
-            grad[s:e] = _chunk_grad(
-                x,
-                kept,
-                None if teacher is None else teacher[s:e],
-                lse[s:e],
-                negent[s:e],
-                teacher_lse[s:e],
-                tuple(g[s:e] for g in grads),
-                local[s:e],
-                in_shard[s:e],
-                live[s:e],
-                ctx.entropy,
-            ).to(grad.dtype)
+            grad[s:e] = _chunk_grad(x, kept, _row_slice(rows, s, e), ctx.entropy).to(grad.dtype)
         return grad, None, None, None, None, None, None
 
 
@@ -104,7 +95,7 @@ def vocab_reduce(
     teacher: Tensor | None = None,
     entropy: bool = False,
     chunk_size: int | None = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
 ) -> VocabStats:
     """Row statistics of `logits [N, V]`; see the module docstring.
 
@@ -156,7 +147,9 @@ def vocab_reduce(
     return VocabStats(*_VocabReduce.apply(logits, index, threshold, teacher, entropy, chunk_size, group))
 
 
-def _check_shards(logits: Tensor | LinearLogits, index: Tensor | None, group: Any, **inputs: Any) -> None:
+def _check_shards(
+    logits: Tensor | LinearLogits, index: Tensor | None, group: ProcessGroup | None, **inputs: Any
+) -> None:
     """Eager, host side (one device sync): `vocab_reduce`'s preconditions. Every rank of a
     tensor-parallel `group` holds an equally wide vocabulary shard — rank `r` holds ids
     `[r·V/tp, (r+1)·V/tp)` — of as many rows, in the same dtype, with the same other inputs
@@ -178,7 +171,8 @@ def _check_shards(logits: Tensor | LinearLogits, index: Tensor | None, group: An
     if outside:
         shards = f", {group_size(group)} tensor-parallel shards of {logits.shape[-1]}" if group_size(group) > 1 else ""
         raise ValueError(
-            f"vocab_reduce: index holds ids outside the vocabulary [0, {vocab}) ({outside} of {index.numel()}{shards})"
+            f"vocab_reduce: index holds ids outside the vocabulary [0, {vocab}) ({outside} of "
+            f"{0 if index is None else index.numel()}{shards})"
         )
 
 
@@ -189,7 +183,7 @@ def token_logprobs(
     threshold: Tensor | None = None,
     top_k_top_p: tuple[int | None, float | None] | None = None,
     chunk_size: int | None = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
 ) -> Tensor:
     """`log softmax(logits)[target]` per row, fp32 `[N]` (`-inf` for a filtered target);
     filters and `group`: see `vocab_reduce`."""
@@ -200,7 +194,7 @@ def token_logprobs(
 
 
 @torch.no_grad()
-def vocab_topk(logits: Tensor, k: int, group: Any = None) -> tuple[Tensor, Tensor]:
+def vocab_topk(logits: Tensor, k: int, group: ProcessGroup | None = None) -> tuple[Tensor, Tensor]:
     """The `min(k, V)` largest logits of each row and their GLOBAL vocabulary ids (ref §8.8),
     fp32 values in descending order; with a tensor-parallel `group`, over the full
     vocabulary of the row's shards (an eager call first checks that every rank holds an
@@ -313,7 +307,7 @@ class _ReverseKL(torch.autograd.Function):
 
 
 def reverse_kl(
-    logits: Tensor, teacher: Tensor, *, chunk_size: int | None = None, group: Any = None
+    logits: Tensor, teacher: Tensor, *, chunk_size: int | None = None, group: ProcessGroup | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per row of `[N, V]`, `KL(p ‖ q)` between the distributions of `logits` (`p`) and of a
     fixed `teacher` (`q`, detached), and two diagnostics without gradient: the negative

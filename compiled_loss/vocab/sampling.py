@@ -10,15 +10,19 @@ tensor parallelism the op all-gathers one row chunk at a time to full rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from compiled_loss.checks import check_fields, require
 from compiled_loss.parallel import check_agreement, group_size
 from compiled_loss.vocab.stats import check_chunk_size, row_chunks
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 Tensor = torch.Tensor
 
@@ -75,7 +79,7 @@ def _row_thresholds(x: Tensor, top_k: int, top_p: float) -> Tensor:
 def _sampling_threshold(logits: Tensor, top_k: int, top_p: float, chunk_size: int, group_name: str) -> Tensor:
     """`group_name` empty: `logits` are full rows. Else this rank's vocabulary shard: each row
     chunk is all-gathered to full rows (every rank computes every threshold)."""
-    group = _resolve_process_group(group_name) if group_name else None
+    group = _resolve_process_group(cast("GroupName", group_name)) if group_name else None
     n, vocab = logits.shape
     shards = group.size() if group is not None else 1
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -95,7 +99,11 @@ def _(logits: Tensor, top_k: int, top_p: float, chunk_size: int, group_name: str
 
 
 def sampling_threshold(
-    logits: Tensor, top_k: int | None, top_p: float | None, chunk_size: int | None = None, group: Any = None
+    logits: Tensor,
+    top_k: int | None,
+    top_p: float | None,
+    chunk_size: int | None = None,
+    group: ProcessGroup | None = None,
 ) -> Tensor:
     """Per-row keep threshold for top-k / top-p filtering (ref §3.3), fp32 `[N]`, no gradient.
 
@@ -120,7 +128,11 @@ def sampling_threshold(
 
 
 def _thresholds(
-    logits: Tensor, top_k: int | None, top_p: float | None, chunk_size: int | None = None, group: Any = None
+    logits: Tensor,
+    top_k: int | None,
+    top_p: float | None,
+    chunk_size: int | None = None,
+    group: ProcessGroup | None = None,
 ) -> Tensor:
     """`sampling_threshold` of inputs already checked (by `vocab_reduce`)."""
     k = top_k if top_k is not None and top_k > 0 else 0

@@ -65,7 +65,9 @@ def _local_index(index: Tensor, start: int, vocab: int) -> tuple[Tensor, Tensor]
     return torch.where(in_shard, local, 0), in_shard
 
 
-def _shard_stats(x: Tensor, teacher: Tensor | None, local: Tensor, in_shard: Tensor, entropy: bool):
+def _shard_stats(
+    x: Tensor, teacher: Tensor | None, local: Tensor, in_shard: Tensor, entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """One row chunk of this shard's filtered fp32 logits `x [c, V]`: relative to its max
     `m`, `[c, 5]` = (m, Σe^(x-m), Σe^(x-m)·x, the teacher's max mt, Σe^(t-mt)), `[c]` =
     Σe^(t-mt)·x, and the logits at the indices this shard holds `[c, K]`."""
@@ -104,17 +106,46 @@ def _merge_shards(stats: Tensor, weighted: Tensor, picked: Tensor, entropy: bool
     return lse, all_reduce_sum(picked, group), negent, cross, teacher_lse
 
 
-def _chunk_grad(x, kept, teacher, lse, negent, teacher_lse, grads, local, in_shard, live, entropy):
+class _RowGrad(NamedTuple):
+    """What the gradient of a chunk's logits reads per row besides them (`_chunk_grad`)."""
+
+    teacher: Tensor | None  # the teacher's logits, `[c, V]` like the chunk's
+    lse: Tensor
+    negent: Tensor
+    teacher_lse: Tensor | None  # None without a teacher
+    grads: tuple[Tensor, ...]  # the upstream gradients of lse, picked, negent and cross
+    local: Tensor  # the indices within this shard (`_local_index`)
+    in_shard: Tensor  # whether this shard holds each index
+    live: Tensor  # rows some upstream gradient reaches (`_live`)
+
+
+def _row_slice(rows: _RowGrad, s: int, e: int) -> _RowGrad:
+    """Rows `s:e` of every per-row input."""
+    teacher, lse, negent, teacher_lse, grads, local, in_shard, live = rows
+    return _RowGrad(
+        None if teacher is None else teacher[s:e],
+        lse[s:e],
+        negent[s:e],
+        None if teacher_lse is None else teacher_lse[s:e],
+        tuple(g[s:e] for g in grads),
+        local[s:e],
+        in_shard[s:e],
+        live[s:e],
+    )
+
+
+def _chunk_grad(x: Tensor, kept: Tensor | None, rows: _RowGrad, entropy: bool) -> Tensor:
     """The fp32 gradient w.r.t. one row chunk of this shard's logits `x [c, V]` (already
     filtered; `kept` the filter's keep mask or None), pointwise: every statistic it needs
     is global. Rows no output gradient reaches (`live` False) get exactly 0."""
+    teacher, lse, negent, teacher_lse, grads, local, in_shard, live = rows
     g_lse, g_picked, g_negent, g_cross = grads
     p = torch.exp(x - lse[:, None])
     coef = g_lse[:, None]
     if entropy:
         coef = coef + g_negent[:, None] * torch.where(p > 0, x - lse[:, None] - negent[:, None], 0.0)
     g = p * coef
-    if teacher is not None:
+    if teacher is not None and teacher_lse is not None:
         g = g + torch.exp(teacher.float() - teacher_lse[:, None]) * g_cross[:, None]
     g_picked = torch.where(in_shard & live[:, None], g_picked, 0.0)  # an index another shard holds
     if kept is not None:
