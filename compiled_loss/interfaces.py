@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -221,7 +222,7 @@ class LossFunction(Protocol):
 
     def __call__(
         self,
-        data: dict[str, Tensor],
+        data: Mapping[str, Tensor],
         global_valid_seqs: Tensor | None,
         global_valid_toks: Tensor | None,
         **loss_input: Any,

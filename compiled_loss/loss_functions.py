@@ -1,54 +1,8 @@
-"""Seed module `nemo_rl.algorithms.loss.loss_functions` (ref §3–4): the loss families,
-re-exported from `compiled_loss.losses`."""
+"""Seed module `nemo_rl.algorithms.loss.loss_functions`: this name is `compiled_loss.nemo_rl.loss_functions`
+itself (one module object, so a name patched through either path is patched for both)."""
 
-from compiled_loss.losses import (
-    APPROX_ENTROPY_KEY,
-    DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
-    KL_PENALTY_KEY,
-    ClippedPGLossConfig,
-    ClippedPGLossFn,
-    ConfigError,
-    CrossTokenizerDistillationLossConfig,
-    CrossTokenizerDistillationLossFn,
-    DistillationLossConfig,
-    DistillationLossFn,
-    DPOLossConfig,
-    DPOLossFn,
-    DraftCrossEntropyLossFn,
-    DraftLossStats,
-    MPOLossConfig,
-    MPOLossFn,
-    MseValueLossConfig,
-    MseValueLossFn,
-    NLLLossFn,
-    OPDFullConfig,
-    PreferenceLossFn,
-    calculate_kl,
-    masked_mean,
-)
+import sys
 
-__all__ = [
-    "APPROX_ENTROPY_KEY",
-    "DEFAULT_DRAFT_TOKEN_CHUNK_SIZE",
-    "KL_PENALTY_KEY",
-    "ClippedPGLossConfig",
-    "ClippedPGLossFn",
-    "ConfigError",
-    "CrossTokenizerDistillationLossConfig",
-    "CrossTokenizerDistillationLossFn",
-    "DPOLossConfig",
-    "DPOLossFn",
-    "DistillationLossConfig",
-    "DistillationLossFn",
-    "DraftCrossEntropyLossFn",
-    "DraftLossStats",
-    "MPOLossConfig",
-    "MPOLossFn",
-    "MseValueLossConfig",
-    "MseValueLossFn",
-    "NLLLossFn",
-    "OPDFullConfig",
-    "PreferenceLossFn",
-    "calculate_kl",
-    "masked_mean",
-]
+from compiled_loss.nemo_rl import loss_functions
+
+sys.modules[__name__] = loss_functions

@@ -5,6 +5,7 @@ no module of the package or of `tools/` reaches itself through its imports, and 
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +17,20 @@ TOOLS = PACKAGE.parent / "tools"
 
 # Layers, lowest first. A module may import its own layer and the layers before it.
 LAYERS = [
-    {"interfaces", "metrics", "checks", "compile"},
+    {"interfaces", "metrics", "checks", "compile", "edge"},
     {"parallel"},
     {"vocab"},
     {"packing"},
     {"losses"},
     {"inputs"},
     {"draft"},
-    {"wrapper", "utils", "loss_functions", "loss_input"},  # the seed facades
+    {
+        "nemo_rl",
+        "wrapper",
+        "utils",
+        "loss_functions",
+        "loss_input",
+    },  # NeMo-RL's calling convention (old names: re-exports)
     {"integrations"},  # Liger / TRL front-ends (trl imported only by integrations.trl)
     {"config"},
     {"train"},  # the compiled step: usable with any model, without the demo or Hydra
@@ -157,6 +164,18 @@ def test_every_room_has_a_layer():
     rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.glob("*.py")}
     rooms |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert sorted(r for r in rooms - {"__init__"} if not any(r in layer for layer in LAYERS)) == []
+
+
+def test_edge_names_resolve_where_they_were_exported():
+    """The seed-signature names `inputs`, `packing`, `vocab` and `losses` export while their
+    code lives in the edge room (`compiled_loss.edge`): each is the edge's own object."""
+    for package in ("inputs", "packing", "vocab", "losses"):
+        module = importlib.import_module(f"compiled_loss.{package}")
+        for name, edge in module._EDGE.items():
+            assert name in module.__all__
+            assert getattr(module, name) is getattr(importlib.import_module(f"compiled_loss.nemo_rl.{edge}"), name)
+    with pytest.raises(AttributeError, match="module 'compiled_loss.vocab' has no attribute 'nothing'"):
+        importlib.import_module("compiled_loss.vocab").nothing
 
 
 def test_the_demo_room_holds_models_and_data_only():

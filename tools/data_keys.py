@@ -15,7 +15,7 @@ import re
 import typing
 from pathlib import Path
 
-import compiled_loss.losses
+import compiled_loss.nemo_rl.loss_functions as loss_functions
 from compiled_loss.interfaces import DATA_KEYS, DataKey, InputSpec
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "library.md"  # the page that holds the tables
@@ -24,11 +24,12 @@ END = "<!-- /data-keys -->"
 
 
 def losses() -> list[object]:
-    """One instance of every loss class `compiled_loss.losses` exports (`*LossFn`), built
-    with its default config."""
+    """One instance of every loss class of the seed's `loss_functions` module (`*LossFn`:
+    `compiled_loss.losses`' families and the draft soft cross-entropy), built with its
+    default config."""
     out = []
-    for name in compiled_loss.losses.__all__:
-        cls = getattr(compiled_loss.losses, name)
+    for name in loss_functions.__all__:
+        cls = getattr(loss_functions, name)
         if isinstance(cls, type) and name.endswith("LossFn"):
             fields = dataclasses.fields(cls)
             needs_cfg = bool(fields) and fields[0].name == "cfg" and fields[0].default is dataclasses.MISSING

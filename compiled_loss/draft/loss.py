@@ -1,24 +1,25 @@
 """Draft losses next to the policy loss, as functions (the seed's `DraftLossWrapper` and
 `DraftRuntimeLossWrapper` are frozen partial applications of these, see
-`compiled_loss.wrapper`)."""
+`compiled_loss.nemo_rl.wrapper`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from compiled_loss.inputs.draft import draft_input
 from compiled_loss.inputs.options import PrepareOptions
-from compiled_loss.interfaces import InputSpec
+from compiled_loss.interfaces import InputSpec, LossFunction
 from compiled_loss.losses.common import require_keys
-from compiled_loss.losses.draft_ce import DraftCrossEntropyLossFn, DraftLossStats
-from compiled_loss.packing import PackedLayout, PackedView, row_width
+from compiled_loss.losses.draft_ce import DraftLossStats
+from compiled_loss.packing import PackedLayout, PackedView, Prepare, row_width
 from compiled_loss.parallel import ParallelGroups
 from compiled_loss.parallel.collectives import all_reduce_sum, sum_context_parallel
-from compiled_loss.vocab import DraftVocab, LinearLogits, per_position
+from compiled_loss.vocab import LinearLogits, per_position
 
 Tensor = torch.Tensor
 
@@ -29,17 +30,18 @@ def draft_soft_ce(
     global_valid_seqs: Tensor | None,
     global_valid_toks: Tensor,
     *,
-    draft_loss_fn: DraftCrossEntropyLossFn,
-    prepare_fn: Callable[..., Any],
+    prepare: Prepare,
+    parallel: ParallelGroups = ParallelGroups(),
     defer_normalization: bool = False,
-    **groups: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Unpacked `[B, S, V]`: `prepare_fn` (`prepare_loss_input` with `d2t` bound) builds the
-    shifted teacher and mask; the draft soft-CE is normalised by the POLICY's G_t (ref §7.4),
-    or — `defer_normalization` — left as a raw sum with its numerator and count reported.
-    Under context parallelism each rank's share is summed over the CP ranks."""
-    loss_input, draft_data = prepare_fn(logits=next_token_logits, data=data, loss_fn=draft_loss_fn, **groups)
-    cp = groups.get("context_parallel_group")
+    """Unpacked `[B, S, V]`: `prepare` (of the draft loss `prepare.loss_fn`, DRAFT inputs with
+    the `d2t` map) builds the shifted teacher and mask; the draft soft-CE is normalised by the
+    POLICY's G_t (ref §7.4), or — `defer_normalization` — left as a raw sum with its numerator
+    and count reported. Under context parallelism (`parallel.cp`) each rank's share is summed
+    over the CP ranks."""
+    draft_loss_fn = prepare.loss_fn
+    loss_input, draft_data, _ = prepare(next_token_logits, data, None, parallel)  # DRAFT inputs carry no gradient
+    cp = parallel.cp
     if not defer_normalization:
         draft = draft_loss_fn(
             data=draft_data,
@@ -79,14 +81,14 @@ class DraftStepState:
             )
         return DraftStepState(self.numerators + other.numerators, self.counts + other.counts, self.weights)
 
-    def draft_count(self, group: Any = None) -> Tensor:
+    def draft_count(self, group: ProcessGroup | None = None) -> Tensor:
         """`Σ counts·weights`, the counts summed over `group` (the data- / context-parallel
         ranks that share the drafter)."""
         return (all_reduce_sum(self.counts, group) * self.weights).sum()
 
     @torch.no_grad()
     def correct_grads(
-        self, parameters: Iterable[torch.nn.Parameter], policy_count: float | Tensor, group: Any = None
+        self, parameters: Iterable[torch.nn.Parameter], policy_count: float | Tensor, group: ProcessGroup | None = None
     ) -> Tensor:
         """Multiply the drafter's gradients by `policy_count / draft_count` (ref §7.4
         `correct_main_grads`), where `policy_count` is the count the step's gradients are
@@ -107,18 +109,17 @@ def packed_draft_soft_ce(
     global_valid_seqs: Tensor | None,
     global_valid_toks: Tensor,
     *,
-    draft_loss_fn: DraftCrossEntropyLossFn,
+    draft_loss_fn: LossFunction,
     layout: PackedLayout,
     student_logits: Tensor,
-    draft_vocab: DraftVocab | None,
-    vocab_parallel_rank: int | None = None,
-    vocab_parallel_group: Any = None,
+    options: PrepareOptions,
 ) -> Tensor:
     """Packed `[1, T, V]`: ONE soft-CE over the packed slots — the DRAFT preparer on the
     packed view: the teacher shifted left by one within each segment and mapped to the draft
     vocabulary, the mask `token_mask · sample_mask` packed and shifted the same way (ref §7.4
     `_packed_draft_loss`). Under context parallelism over this rank's slots (the shift
-    crossing ranks), summed over the CP ranks."""
+    crossing ranks), summed over the CP ranks; the vocabulary sharded over `options.parallel.tp`,
+    mapped to the draft vocabulary by `options.d2t`."""
     require_keys(data, ("token_mask", "sample_mask"), "DraftLossWrapper (packed)")
     layout = layout.on(next_token_logits.device)
     logits = per_position(next_token_logits, lambda x: layout.slots(x, "next_token_logits")[None])
@@ -127,11 +128,9 @@ def packed_draft_soft_ce(
         "token_mask": data["token_mask"] * data["sample_mask"][:, None],
         "student_logits": layout.slots(student_logits, "student_logits")[None],
     }
-    parallel = ParallelGroups.of_seed(vocab_parallel_rank, vocab_parallel_group, None)
     spec = InputSpec.of(draft_loss_fn)
-    inputs = draft_input(
-        PackedView(layout, row_width(data)), logits, packed_data, spec, PrepareOptions(parallel, d2t=draft_vocab)
-    )
+    options = dataclasses.replace(options, parallel=ParallelGroups(tp=options.parallel.tp))  # the layout shards CP
+    inputs, _ = draft_input(PackedView(layout, row_width(data)), logits, packed_data, spec, options)
     draft = draft_loss_fn(
         **inputs,
         data={"sample_mask": inputs["token_mask"].new_ones(1)},

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -64,15 +64,25 @@ def check_student_logits(logits: Logits, name: str, parallel: ParallelGroups, wh
         )
 
 
+class CrossTokenizerInput(TypedDict):
+    """DISTILLATION_CROSS_TOKENIZER inputs."""
+
+    logits: Tensor  # the student's, [B, S, V_s]
+    teacher_full_logits_by_idx: dict[int, Tensor]
+    aligns_by_idx: dict[int, Tensor]
+
+
 def cross_tokenizer_input(
-    view: TokenView, logits: Tensor, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
-) -> dict[str, Any]:
-    """`{"logits", "teacher_full_logits_by_idx", "aligns_by_idx"}`: the student's logits at
-    every position `[B, S, V_s]` and the teachers' data keys the loss declares."""
+    view: TokenView, logits: Logits, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
+) -> tuple[CrossTokenizerInput, None]:
+    """The student's logits at every position `[B, S, V_s]` and the teachers' data keys the
+    loss declares."""
+    assert isinstance(logits, Tensor)  # `check_student_logits` refuses LinearLogits
     logits_keys, alignment_keys = spec.teacher_logits_keys, spec.teacher_alignment_keys
     require_keys(data, logits_keys + alignment_keys, view.who)
-    return {
-        "logits": view.unpacked(logits),
-        "teacher_full_logits_by_idx": {i: data[key] for i, key in enumerate(logits_keys)},
-        "aligns_by_idx": {i: data[key] for i, key in enumerate(alignment_keys)},
-    }
+    inputs = CrossTokenizerInput(
+        logits=view.unpacked(logits),
+        teacher_full_logits_by_idx={i: data[key] for i, key in enumerate(logits_keys)},
+        aligns_by_idx={i: data[key] for i, key in enumerate(alignment_keys)},
+    )
+    return inputs, None

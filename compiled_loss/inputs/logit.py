@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from compiled_loss.inputs.options import PrepareOptions
 from compiled_loss.interfaces import InputSpec
-from compiled_loss.packing.view import TokenView
+from compiled_loss.packing.view import Logits, TokenView
 
 Tensor = torch.Tensor
 
 
+class LogitInput(TypedDict):
+    """LOGIT inputs."""
+
+    logits: Tensor  # [B, S, V]
+
+
 def logit_input(
-    view: TokenView, logits: Tensor, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
-) -> dict[str, Any]:
+    view: TokenView, logits: Logits, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
+) -> tuple[LogitInput, None]:
     """`{"logits": [B, S, V]}` (as given without context parallelism; all-gathered with it)."""
-    return {"logits": view.unpacked(logits)}
+    assert isinstance(logits, Tensor)  # `prepare_inputs` refuses LinearLogits for a LOGIT loss
+    return LogitInput(logits=view.unpacked(logits)), None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import torch
 
@@ -33,9 +33,18 @@ def _teacher_index(data: Mapping[str, Tensor], weights: dict[int, Tensor] | None
     return torch.where(data["sample_mask"].to(index.device) > 0, index, first), first
 
 
+class OpdFullInput(TypedDict):
+    """OPD_FULL inputs, `[B, S-1]`."""
+
+    opd_full_divergence: Tensor
+    opd_full_entropy: NotRequired[Tensor]  # when the config reports it
+    opd_full_cross_entropy: NotRequired[Tensor]  # when the config reports it
+    next_token_logprobs: NotRequired[Tensor]  # with a reference KL
+
+
 def opd_full_input(
     view: TokenView, logits: Logits, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
-) -> dict[str, Any]:
+) -> tuple[OpdFullInput, None]:
     """`opd_full_divergence` `[B, S-1]` (with `opd_full_entropy` / `opd_full_cross_entropy`
     when the config reports them) from `data["opd_full_teacher_payload"]` `[B, S, D]` (rows
     routed to a teacher head by `data["opd_full_teacher_index"]` `[B]` when present); a loss
@@ -45,11 +54,12 @@ def opd_full_input(
     if isinstance(logits, LinearLogits):
         raise ValueError(f"{who}: OPD_FULL inputs need the student's logits tensor, not LinearLogits")
     opd, tp, weights = spec.opd_full, options.parallel.tp, options.teacher_output_layer_weight_by_index
+    assert opd is not None  # an OPD_FULL loss declares its distillation config
     student = view.rows(logits)
     to_logits = functools.partial(
         teacher_logits,
         teacher_payload=opd.teacher_payload,
-        vocab_parallel_rank=group_rank(tp),
+        tp_rank=group_rank(tp),
         local_vocab=student.shape[-1],
         teacher_output_layer_weight_by_index=weights,
     )
@@ -62,11 +72,11 @@ def opd_full_input(
             index = view.local((rows_index - first)[:, None].expand(-1, view.width)) + first
         teacher = to_logits(view.local(payload), index)
     kl, negent, cross_entropy = reverse_kl(student, teacher, chunk_size=opd.chunk_size, group=tp)
-    out = {"opd_full_divergence": view.full(kl)[:, :-1]}
+    out = OpdFullInput(opd_full_divergence=view.full(kl)[:, :-1])
     if opd.with_entropy:
         out["opd_full_entropy"] = view.full(-negent)[:, :-1]
     if opd.with_cross_entropy:
         out["opd_full_cross_entropy"] = view.full(cross_entropy)[:, :-1]
     if spec.unfiltered_logprobs:
         out["next_token_logprobs"] = next_token_logprobs(view, logits, data["input_ids"], group=tp)
-    return out
+    return out, None

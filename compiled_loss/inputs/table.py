@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from compiled_loss.inputs.cross_tokenizer import check_student_logits, cross_tokenizer_input
-from compiled_loss.inputs.draft import draft_input
-from compiled_loss.inputs.logit import logit_input
-from compiled_loss.inputs.logprob import logprob_input
-from compiled_loss.inputs.opd_full import opd_full_input
+from compiled_loss.inputs.cross_tokenizer import CrossTokenizerInput, check_student_logits, cross_tokenizer_input
+from compiled_loss.inputs.draft import DraftInput, draft_input
+from compiled_loss.inputs.logit import LogitInput, logit_input
+from compiled_loss.inputs.logprob import LogprobInput, logprob_input
+from compiled_loss.inputs.opd_full import OpdFullInput, opd_full_input
 from compiled_loss.inputs.options import PrepareOptions
-from compiled_loss.inputs.topk import topk_input
+from compiled_loss.inputs.topk import TopkInput, topk_input
 from compiled_loss.inputs.validate import check_batch_shapes, check_token_ids
 from compiled_loss.interfaces import InputSpec, LossFunction, LossInputType
 from compiled_loss.packing import PackedLayout, row_width
@@ -34,10 +34,18 @@ from compiled_loss.vocab import LinearLogits
 Tensor = torch.Tensor
 
 
+# a loss's inputs: one TypedDict per input type
+LossInput = LogitInput | LogprobInput | TopkInput | DraftInput | OpdFullInput | CrossTokenizerInput
+
+
 class Preparer(Protocol):
+    """`(view, logits, data, spec, options) -> (inputs, gradient)`: `gradient` is the zero that
+    carries the loss's gradient where the preparer computed it in the forward (a token-separable
+    loss on `LinearLogits` with an `objective`), to be added to the loss; None otherwise."""
+
     def __call__(
         self, view: TokenView, logits: Logits, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
-    ) -> dict[str, Any]: ...
+    ) -> tuple[LossInput, Tensor | None]: ...
 
 
 PREPARERS: dict[LossInputType, Preparer] = {
@@ -102,18 +110,35 @@ def prepare_inputs(
     spec: InputSpec,
     options: PrepareOptions,
     layout: PackedLayout | None = None,
-) -> dict[str, Any]:
+) -> LossInput:
     """`loss_fn`'s inputs from unpacked `[B, S(_local), V]` logits (`layout` None) or packed
     `[1, T(_local), V]` ones laid out by `layout`: the host-side checks of the logits and the
-    batch (before any vocabulary work), then the preparer of `spec.input_type`."""
+    batch (before any vocabulary work), then the preparer of `spec.input_type`. The loss's
+    backward computes its gradient (a `LinearLogits` objective is not used here: only
+    `Preparation`, which returns the gradient beside the inputs, takes it in the forward)."""
+    if isinstance(logits, LinearLogits) and logits.objective is not None:
+        logits = dataclasses.replace(logits, objective=None)
+    return _prepare(logits, data, loss_fn, spec, options, layout)[0]
+
+
+def _prepare(
+    logits: Logits,
+    data: Mapping[str, Tensor],
+    loss_fn: LossFunction,
+    spec: InputSpec,
+    options: PrepareOptions,
+    layout: PackedLayout | None,
+) -> tuple[LossInput, Tensor | None]:
+    """`prepare_inputs`, with the gradient a preparer computed in the forward (`Preparer`)."""
     who = (RowsView if layout is None else PackedView).who
     _check_logits(logits, spec, type(loss_fn).__name__, options, who)
     _check_data(logits, data, spec, options, who)
     preparer = PREPARERS.get(spec.input_type)
     if preparer is None:
         raise ValueError(f"Unknown loss function input type: {spec.input_type!r}")
+    view: TokenView
     if layout is None:
-        view = RowsView.of(logits, _rows_width(logits, data), options.parallel.cp)
+        view = RowsView.of(logits, _rows_width(logits, data), options.parallel)
     else:
         view = PackedView(layout, row_width(data))
     return preparer(view, logits, data, spec, options)
@@ -123,7 +148,7 @@ def prepare_inputs(
 class Preparation:
     """`prepare_inputs` for one loss and one set of options, as the micro-batch entry point
     calls it (`compiled_loss.packing.Prepare`): `(logits, data, layout, parallel) ->
-    (loss_input, data)`, over the groups the logits are sharded over."""
+    (loss_input, data, gradient)`, over the groups the logits are sharded over."""
 
     loss_fn: LossFunction
     spec: InputSpec
@@ -131,7 +156,7 @@ class Preparation:
 
     def __call__(
         self, logits: Logits, data: Mapping[str, Tensor], layout: PackedLayout | None, parallel: ParallelGroups
-    ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    ) -> tuple[LossInput, dict[str, Tensor], Tensor | None]:
         options = self.options
         if parallel is not options.parallel and (  # the groups of DTensor logits
             parallel.tp is not options.parallel.tp
@@ -139,4 +164,5 @@ class Preparation:
             or parallel.vocab_size != options.parallel.vocab_size
         ):
             options = dataclasses.replace(options, parallel=parallel)
-        return prepare_inputs(logits, data, self.loss_fn, self.spec, options, layout), dict(data)
+        inputs, gradient = _prepare(logits, data, self.loss_fn, self.spec, options, layout)
+        return inputs, dict(data), gradient

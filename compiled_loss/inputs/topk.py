@@ -4,17 +4,17 @@ ids, the teacher's top-k log-probs, and optionally the student's full-vocabulary
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TypedDict
 
 import torch
+from torch.distributed import ProcessGroup
 
 from compiled_loss.inputs.options import PrepareOptions
 from compiled_loss.interfaces import InputSpec
 from compiled_loss.losses.common import require_keys
-from compiled_loss.packing.view import Logits, RowsView, TokenView
+from compiled_loss.packing.view import Logits, TokenView
 from compiled_loss.parallel import group_size
 from compiled_loss.vocab import LinearLogits, vocab_reduce
-from compiled_loss.vocab.shards import seed_groups
 
 Tensor = torch.Tensor
 
@@ -24,7 +24,7 @@ def _student_topk(
     index: Tensor,
     zero_outside_topk: bool,
     calculate_entropy: bool,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`[N, k]` student values at teacher indices: full-vocab log-probs (zero_outside_topk)
@@ -50,7 +50,7 @@ def topk_logprobs(
     zero_outside_topk: bool,
     calculate_entropy: bool,
     *,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Student / teacher top-k log-probs `[B, S-1, k]` and `H_all` `[B, S-1]` (or None); the
@@ -67,9 +67,17 @@ def topk_logprobs(
     return student[:, :-1], teacher[:, :-1], h_all
 
 
+class TopkInput(TypedDict):
+    """DISTILLATION inputs: `[B, S-1, k]` log-probs; `H_all [B, S-1]` or None."""
+
+    student_topk_logprobs: Tensor
+    teacher_topk_logprobs: Tensor
+    H_all: Tensor | None
+
+
 def topk_input(
     view: TokenView, logits: Logits, data: Mapping[str, Tensor], spec: InputSpec, options: PrepareOptions
-) -> dict[str, Any]:
+) -> tuple[TopkInput, None]:
     """`student_topk_logprobs`, `teacher_topk_logprobs` `[B, S-1, k]` and `H_all` from
     `data["teacher_topk_logits"]` / `data["teacher_topk_indices"]` `[B, S, k]`."""
     require_keys(data, ("teacher_topk_logits", "teacher_topk_indices"), view.who)
@@ -83,39 +91,4 @@ def topk_input(
         group=options.parallel.tp,
         chunk_size=options.chunk_size,
     )
-    return {"student_topk_logprobs": student, "teacher_topk_logprobs": teacher, "H_all": h_all}
-
-
-def get_distillation_topk_logprobs_from_logits(
-    student_logits: Logits,
-    teacher_topk_logits: Tensor,
-    teacher_topk_indices: Tensor,
-    zero_outside_topk: bool,
-    calculate_entropy: bool,
-    vocab_parallel_rank: int | None = None,
-    vocab_parallel_group: Any = None,
-    context_parallel_group: Any = None,
-    *,
-    chunk_size: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Student / teacher top-k log-probs `[B, S-1, k]` and `H_all = Σ p log p` (ref §8.9);
-    parallel layouts as in `get_next_token_logprobs_from_logits`, indices are global ids;
-    `chunk_size`: rows per chunk of the vocab primitive."""
-    student_logits, groups = seed_groups(
-        student_logits,
-        vocab_parallel_rank,
-        vocab_parallel_group,
-        context_parallel_group,
-        "get_distillation_topk_logprobs_from_logits",
-    )
-    view = RowsView.of(student_logits, teacher_topk_indices.shape[1], groups.cp)
-    return topk_logprobs(
-        view,
-        student_logits,
-        teacher_topk_logits,
-        teacher_topk_indices,
-        zero_outside_topk,
-        calculate_entropy,
-        group=groups.tp,
-        chunk_size=chunk_size,
-    )
+    return TopkInput(student_topk_logprobs=student, teacher_topk_logprobs=teacher, H_all=h_all), None

@@ -13,10 +13,12 @@ under NeMo-RL's keys.
 - `cross_tokenizer`: `CrossTokenizerDistillationLossConfig`, `CrossTokenizerDistillationLossFn`,
   `TokenProjection`;
 - `value`: `MseValueLossConfig`, `MseValueLossFn`;
-- `draft_ce`: `DraftCrossEntropyLossFn`, `DraftLossStats`.
+- `draft_ce`: `DraftLossStats` and the draft soft cross-entropy statistics (`soft_ce_stats`,
+  `projected_soft_ce_stats`, `dflash_soft_ce_stats`).
 """
 
 from compiled_loss.checks import ConfigError
+from compiled_loss.edge import edge_attribute
 from compiled_loss.losses.common import calculate_kl, masked_mean
 from compiled_loss.losses.cross_tokenizer import (
     CrossTokenizerDistillationLossConfig,
@@ -24,7 +26,7 @@ from compiled_loss.losses.cross_tokenizer import (
     TokenProjection,
 )
 from compiled_loss.losses.distillation import DistillationLossConfig, DistillationLossFn
-from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftCrossEntropyLossFn, DraftLossStats
+from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, DraftLossStats
 from compiled_loss.losses.nll import NLLLossFn
 from compiled_loss.losses.opd import OPDFullConfig
 from compiled_loss.losses.policy_gradient import (
@@ -44,21 +46,31 @@ from compiled_loss.losses.preference import (
 )
 from compiled_loss.losses.value import MseValueLossConfig, MseValueLossFn
 
+# names with the seed's signatures, exported here and defined in the edge room (`compiled_loss.edge`)
+_EDGE = {
+    "DraftCrossEntropyLossFn": "loss_functions",
+}
+
+
+def __getattr__(name: str) -> object:
+    return edge_attribute(__name__, name, _EDGE)
+
+
 __all__ = [
     "APPROX_ENTROPY_KEY",
-    "DEFAULT_DRAFT_TOKEN_CHUNK_SIZE",
-    "KL_PENALTY_KEY",
     "ClippedPGLossConfig",
     "ClippedPGLossFn",
     "ConfigError",
     "CrossTokenizerDistillationLossConfig",
     "CrossTokenizerDistillationLossFn",
+    "DEFAULT_DRAFT_TOKEN_CHUNK_SIZE",
     "DPOLossConfig",
     "DPOLossFn",
     "DistillationLossConfig",
     "DistillationLossFn",
     "DraftCrossEntropyLossFn",
     "DraftLossStats",
+    "KL_PENALTY_KEY",
     "MPOLossConfig",
     "MPOLossFn",
     "MseValueLossConfig",

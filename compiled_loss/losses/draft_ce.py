@@ -1,18 +1,20 @@
 """Draft soft cross-entropy: a drafter's logits against the (shifted) policy distribution
-(ref §4.6, §7.7)."""
+(ref §4.6, §7.7), as per-bin statistics (`DraftLossStats`) over full or tensor-parallel
+(`parallel.tp`) vocabulary rows: `soft_ce_stats` of logits, `projected_soft_ce_stats` fused
+with the LM-head projection, `dflash_soft_ce_stats` over DFlash blocks. The seed's
+signatures over them (the `*_vocab_parallel_soft_ce` functions, `DraftCrossEntropyLossFn`)
+are `compiled_loss.nemo_rl.loss_functions`'."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
-from compiled_loss.interfaces import InputSpec, LossInputType, LossType
-from compiled_loss.losses.common import require_keys, require_shape
-from compiled_loss.parallel import check_agreement, group_size
+from compiled_loss.losses.common import require_shape
+from compiled_loss.parallel import ParallelGroups, check_agreement, group_size
 from compiled_loss.vocab import LinearLogits, check_chunk_size, vocab_reduce
 
 Tensor = torch.Tensor
@@ -109,21 +111,21 @@ def _fingerprint(t: Tensor) -> tuple[Any, ...]:
     return tuple(t.shape), str(t.dtype), hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest()  # host
 
 
-def streaming_vocab_parallel_soft_ce(
+def soft_ce_stats(
     *,
     student_logits: Tensor,
     teacher_logits: Tensor,
     mask: Tensor,
     token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
-    tp_group: Any = None,
+    parallel: ParallelGroups = ParallelGroups(),
     bin_ids: Tensor | None = None,
     weights: Tensor | None = None,
 ) -> DraftLossStats:
     """Per-bin `Σ mask·H(softmax(teacher), log_softmax(student))` and `Σ mask` over `[..., V]`
-    rows (`[..., V / tp]` vocabulary shards with `tp_group`), ref §7.7. The teacher is
+    rows (`[..., V / tp]` vocabulary shards over `parallel.tp`), ref §7.7. The teacher is
     detached; the student's gradient is `(q - p)·mask·∂numerators[bin]`, with no collective
     in the backward. `token_chunk_size` rows at a time in eager mode."""
-    who = "streaming_vocab_parallel_soft_ce"
+    who = "soft_ce_stats"
     _check_draft_inputs(student_logits, student_logits.shape[-1], teacher_logits, mask, token_chunk_size, who)
     bin_ids, weights = _bins(mask, bin_ids, weights, who)
     vocab = student_logits.shape[-1]
@@ -131,30 +133,30 @@ def streaming_vocab_parallel_soft_ce(
         student_logits.reshape(-1, vocab),
         teacher=teacher_logits.reshape(-1, vocab),
         chunk_size=token_chunk_size,
-        group=tp_group,
+        group=parallel.tp,
     )
     return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
 
 
-def projected_streaming_vocab_parallel_soft_ce(
+def projected_soft_ce_stats(
     *,
     student_hidden: Tensor,
     output_weight: Tensor,
     teacher_logits: Tensor,
     mask: Tensor,
     token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
-    tp_group: Any = None,
+    parallel: ParallelGroups = ParallelGroups(),
     bin_ids: Tensor | None = None,
     weights: Tensor | None = None,
+    who: str = "projected_soft_ce_stats",
 ) -> DraftLossStats:
-    """`streaming_vocab_parallel_soft_ce` of the student logits `student_hidden [..., H] @
+    """`soft_ce_stats` of the student logits `student_hidden [..., H] @
     output_weight [V(/tp), H]ᵀ`, fused with the LM-head projection (`vocab_reduce` of `LinearLogits`):
     no `[T, V]` student logits exist; under TP the hidden state's gradient is this shard's share,
     as the dense logits `student_hidden @ output_weightᵀ` give it (summed by whoever replicated
     the hidden states). In eager mode with a TP group, every rank must hold the same shapes,
-    dtypes, chunk size and exactly equal mask, bin ids and weights (a ValueError on every rank
-    otherwise)."""
-    who = "projected_streaming_vocab_parallel_soft_ce"
+    dtypes, chunk size and exactly equal mask, bin ids and weights (a ValueError on every rank,
+    naming `who`, otherwise)."""
     if output_weight.dim() != 2 or output_weight.shape[1] != student_hidden.shape[-1]:
         raise ValueError(
             f"{who}: output_weight must be [V, H] with H = student_hidden's last dim "
@@ -162,7 +164,7 @@ def projected_streaming_vocab_parallel_soft_ce(
         )
     _check_draft_inputs(student_hidden, output_weight.shape[0], teacher_logits, mask, token_chunk_size, who)
     bin_ids, weights = _bins(mask, bin_ids, weights, who)
-    if group_size(tp_group) > 1 and not torch.compiler.is_compiling():
+    if group_size(parallel.tp) > 1 and not torch.compiler.is_compiling():
         check_agreement(
             f"{who}'s inputs (shapes, dtypes, token_chunk_size; mask, bin_ids and weights exactly)",
             (
@@ -176,38 +178,39 @@ def projected_streaming_vocab_parallel_soft_ce(
                 _fingerprint(bin_ids),
                 _fingerprint(weights),
             ),
-            tp_group,
+            parallel.tp,
         )
     hidden = student_hidden.reshape(-1, student_hidden.shape[-1])
     stats = vocab_reduce(
         LinearLogits(hidden, output_weight),
         teacher=teacher_logits.reshape(hidden.shape[0], -1),
         chunk_size=token_chunk_size,
-        group=tp_group,
+        group=parallel.tp,
     )
     return _binned(stats.lse - stats.cross, mask, bin_ids, weights)
 
 
-def dflash_projected_vocab_parallel_soft_ce(
+def dflash_soft_ce_stats(
     *,
     draft_hidden: Tensor,
     output_weight: Tensor,
     teacher_logits: Tensor,
-    sample_rows: Tensor,
-    label_positions: Tensor,
+    teacher_rows: tuple[Tensor, Tensor],
     loss_mask: Tensor,
     position_decay: float,
     token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
-    tp_group: Any = None,
+    parallel: ParallelGroups = ParallelGroups(),
 ) -> DraftLossStats:
     """The DFlash block soft-CE (ref §7.7): block `b`'s slot `j` (hidden `draft_hidden [N,
-    γ+1, H]`, projected by `output_weight [V(/tp), H]`) against the teacher row
-    `teacher_logits [B, S, V(/tp)][sample_rows[b], label_positions[b, j] - 1]`, under
+    γ+1, H]`, projected by `output_weight [V(/tp), H]`, the vocabulary sharded over
+    `parallel.tp`) against the teacher row `teacher_logits [B, S, V(/tp)][sample_rows[b],
+    label_positions[b, j] - 1]` (`teacher_rows = (sample_rows, label_positions)`), under
     `loss_mask [N, γ+1]`. Slot 0 (the verified anchor) is never supervised; a slot whose
     teacher position lies outside `[0, S)` is masked; masked slots read teacher row 0. Bin
     `k = j - 1` carries weight `position_decay^k`. The counts are this rank's `(γ,)`: sum them
     over the data- / context-parallel ranks before `normalized`."""
-    who = "dflash_projected_vocab_parallel_soft_ce"
+    who = "dflash_soft_ce_stats"
+    sample_rows, label_positions = teacher_rows
     if draft_hidden.dim() != 3 or draft_hidden.shape[1] < 2:
         raise ValueError(f"{who}: draft_hidden must be [blocks, γ+1 >= 2, H], got {tuple(draft_hidden.shape)}")
     blocks, slots = draft_hidden.shape[:2]
@@ -230,78 +233,13 @@ def dflash_projected_vocab_parallel_soft_ce(
     if blocks == 0:  # nothing to score; the sum keeps the drafter in the graph
         zeros = torch.zeros(gamma, device=draft_hidden.device)
         return DraftLossStats(zeros + 0 * draft_hidden.float().sum(), zeros, weights)
-    return projected_streaming_vocab_parallel_soft_ce(
+    return projected_soft_ce_stats(
         student_hidden=draft_hidden[:, 1:],
         output_weight=output_weight,
         teacher_logits=teacher,
         mask=mask.float(),
         token_chunk_size=token_chunk_size,
-        tp_group=tp_group,
+        parallel=parallel,
         bin_ids=slot[:gamma].expand(blocks, gamma).contiguous(),
         weights=weights,
     )
-
-
-class DraftCrossEntropyLossData(TypedDict):
-    """The data `DraftCrossEntropyLossFn` reads, with DRAFT input preparation: `[B, S]` unless noted."""
-
-    token_mask: Tensor
-    sample_mask: Tensor  # [B]
-    student_logits: Tensor  # [B, S, V_d]
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftCrossEntropyLossFn:
-    """EAGLE draft soft cross-entropy against the (shifted) policy distribution (ref §4.6).
-
-    `__call__` returns ONLY the scalar loss `Σ mask·CE / (G_t + 1e-8)`, where
-    `mask = token_mask * sample_mask[:, None]` and `token_mask` is already aligned.
-    """
-
-    vocab_parallel_group: Any = None
-    token_chunk_size: int = DEFAULT_DRAFT_TOKEN_CHUNK_SIZE
-
-    loss_type = LossType.TOKEN_LEVEL
-    input_type = LossInputType.DRAFT
-    input_spec = InputSpec(LossInputType.DRAFT, data=DraftCrossEntropyLossData)
-
-    def __post_init__(self) -> None:
-        check_chunk_size(self.token_chunk_size, "token_chunk_size")
-
-    def loss_stats(
-        self,
-        teacher_logits: Tensor,
-        student_logits: Tensor,
-        token_mask: Tensor,
-        data: Mapping[str, Tensor],
-    ) -> DraftLossStats:
-        who = "DraftCrossEntropyLossFn"
-        if teacher_logits.shape != student_logits.shape:
-            raise ValueError(
-                f"{who}: teacher_logits and student_logits must have the same shape, got "
-                f"{tuple(teacher_logits.shape)} and {tuple(student_logits.shape)}"
-            )
-        require_shape(token_mask, tuple(student_logits.shape[:-1]), "token_mask", who)
-        require_keys(data, ("sample_mask",), who)
-        mask = token_mask * data["sample_mask"].reshape((-1,) + (1,) * (token_mask.dim() - 1))
-        return streaming_vocab_parallel_soft_ce(
-            student_logits=student_logits,
-            teacher_logits=teacher_logits,
-            mask=mask,
-            token_chunk_size=self.token_chunk_size,
-            tp_group=self.vocab_parallel_group,
-        )
-
-    def __call__(
-        self,
-        teacher_logits: Tensor,
-        student_logits: Tensor,
-        token_mask: Tensor,
-        data: Mapping[str, Tensor],
-        global_valid_seqs: Tensor | None,
-        global_valid_toks: Tensor | None,
-    ) -> Tensor:
-        if global_valid_toks is None:
-            raise ValueError("DraftCrossEntropyLossFn: global_valid_toks must not be None")
-        stats = self.loss_stats(teacher_logits, student_logits, token_mask, data)
-        return stats.normalized(torch.as_tensor(global_valid_toks).reshape(1))

@@ -8,22 +8,15 @@ logits.
   packing utilities built on it;
 - `layout`: `BucketGrid`, `round_to_bucket`, `pad_to_bucket`, `PackedLayout`;
 - `view`: `TokenView`, `RowsView`, `PackedView` (where a micro-batch's tokens are);
-- `micro_batch`: `micro_batch_loss` (the one micro-batch entry point), its seed shells
-  `sequence_packing_loss` and `wrap_loss_fn_with_input_preparation`, `Prepare` /
-  `seed_prepare`, and `check_inputs_agree` (the ranks' agreement on a micro-batch's shapes,
-  host side).
+- `micro_batch`: `micro_batch_loss` (the one micro-batch entry point), `Prepare` (its input
+  preparation) and `check_inputs_agree` (the ranks' agreement on a micro-batch's shapes,
+  host side); the seed's shells over it are `compiled_loss.nemo_rl.wrapper`'s.
 """
 
+from compiled_loss.edge import edge_attribute
 from compiled_loss.packing.boundaries import CpuIntTuple, check_cu_seqlens, to_cpu_int_tuple
 from compiled_loss.packing.layout import BucketGrid, PackedLayout, pad_to_bucket, round_to_bucket, row_width
-from compiled_loss.packing.micro_batch import (
-    Prepare,
-    check_inputs_agree,
-    micro_batch_loss,
-    seed_prepare,
-    sequence_packing_loss,
-    wrap_loss_fn_with_input_preparation,
-)
+from compiled_loss.packing.micro_batch import Prepare, check_inputs_agree, micro_batch_loss
 from compiled_loss.packing.transforms import (
     pack_input_ids,
     pack_rolled_draft_token_mask,
@@ -32,6 +25,18 @@ from compiled_loss.packing.transforms import (
     roll_within_segments,
 )
 from compiled_loss.packing.view import PackedView, RowsView, TokenView
+
+# names with the seed's signatures, exported here and defined in the edge room (`compiled_loss.edge`)
+_EDGE = {
+    "sequence_packing_loss": "wrapper",
+    "wrap_loss_fn_with_input_preparation": "wrapper",
+    "seed_prepare": "wrapper",
+}
+
+
+def __getattr__(name: str) -> object:
+    return edge_attribute(__name__, name, _EDGE)
+
 
 __all__ = [
     "BucketGrid",
@@ -51,8 +56,8 @@ __all__ = [
     "roll_packed_seq_dim",
     "roll_within_segments",
     "round_to_bucket",
-    "seed_prepare",
     "row_width",
+    "seed_prepare",
     "sequence_packing_loss",
     "to_cpu_int_tuple",
     "wrap_loss_fn_with_input_preparation",

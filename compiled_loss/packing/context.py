@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from compiled_loss.parallel import check_agreement, group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather, gather_context_parallel
@@ -40,7 +40,7 @@ class ContextShards:
     slot, where its successor's row is in `cat(local rows, all-gathered heads, a zero row)`.
     """
 
-    group: Any
+    group: ProcessGroup | None
     size: int
     rank: int
     local_to_global: Tensor
@@ -76,7 +76,9 @@ class ContextShards:
     # ---- builders ----------------------------------------------------------------------
 
     @staticmethod
-    def of_segments(starts: Sequence[int], lengths: Sequence[int], slots: int, group: Any) -> ContextShards:
+    def of_segments(
+        starts: Sequence[int], lengths: Sequence[int], slots: int, group: ProcessGroup | None
+    ) -> ContextShards:
         """Host side: segments `[starts[i], starts[i] + lengths[i])` of a `slots`-long packed
         layout (lengths multiples of 2·cp); slots after the last segment (the bucket tail,
         a multiple of cp) are split evenly and have no successor. Every rank of the group must
@@ -104,7 +106,9 @@ class ContextShards:
         return _shards(seg, pos, seg_len, seg_start, tail, cp, rank, group)
 
     @staticmethod
-    def of_rows(rows: int, width: int, group: Any, device: torch.device | str | None = None) -> ContextShards:
+    def of_rows(
+        rows: int, width: int, group: ProcessGroup | None, device: torch.device | str | None = None
+    ) -> ContextShards:
         """`rows` sequences of `width` slots each (a multiple of 2·cp): the unpacked layout
         `[B, S_pad]` flattened. Index arithmetic only (traceable, static shapes). Every rank of
         the group must pass the same rows and width: checked in eager mode (a ValueError on
@@ -126,7 +130,14 @@ class ContextShards:
 
 
 def _shards(
-    seg: Tensor, pos: Tensor, seg_len: Tensor, seg_start: Tensor, tail: int, cp: int, rank: int, group: Any
+    seg: Tensor,
+    pos: Tensor,
+    seg_len: Tensor,
+    seg_start: Tensor,
+    tail: int,
+    cp: int,
+    rank: int,
+    group: ProcessGroup | None,
 ) -> ContextShards:
     """The maps, from each global slot's segment (`tail` = the tail's id) and position."""
     slots = seg.shape[0]

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from compiled_loss.packing.boundaries import check_cu_seqlens
 from compiled_loss.packing.context import ContextShards
 from compiled_loss.packing.transforms import pack_source_index, roll_within_segments
-from compiled_loss.parallel import group_size
+from compiled_loss.parallel import ParallelGroups, group_size
 
 Tensor = torch.Tensor
 
@@ -186,14 +185,14 @@ class PackedLayout:
         *,
         grid: BucketGrid = BucketGrid(),
         device: torch.device | str | None = None,
-        context_parallel_group: Any = None,
+        parallel: ParallelGroups = ParallelGroups(),
     ) -> PackedLayout:
         """Validate the boundaries and build the bucketed index tensors (host side). With a
-        context-parallel group of size cp, every padded length must be a multiple of 2·cp and
+        context-parallel group `parallel.cp` of size cp, every padded length must be a multiple of 2·cp and
         the bucketed length is rounded up to a multiple of cp."""
         cu, cup = check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
         n_seq, total = len(cu) - 1, cup[-1]
-        cp = group_size(context_parallel_group)
+        cp = group_size(parallel.cp)
         num_rows = round_to_bucket(n_seq, grid.rows, grid.per_octave)
         tokens = -(-round_to_bucket(total, grid.tokens, grid.per_octave) // cp) * cp
         row, pos = pack_source_index(cup)
@@ -213,7 +212,7 @@ class PackedLayout:
         shards = None
         if cp > 1:
             padded = [cup[i + 1] - cup[i] for i in range(n_seq)]
-            shards = ContextShards.of_segments(cup[:-1], padded, tokens, context_parallel_group).to(device or "cpu")
+            shards = ContextShards.of_segments(cup[:-1], padded, tokens, parallel.cp).to(device or "cpu")
         return PackedLayout(
             num_rows=num_rows,
             tokens=tokens,

@@ -27,14 +27,14 @@ and every method traces with no host sync and no data-dependent shape.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol, overload
 
 import torch
 
 from compiled_loss.packing.context import ContextShards
 from compiled_loss.packing.layout import PackedLayout
 from compiled_loss.packing.transforms import roll_within_segments
-from compiled_loss.parallel import group_size
+from compiled_loss.parallel import ParallelGroups, group_size
 from compiled_loss.vocab.fused import LinearLogits, per_position
 
 Tensor = torch.Tensor
@@ -45,9 +45,14 @@ class TokenView(Protocol):
     """Where a micro-batch's tokens are (see the module docstring). `width` is the batch's row
     width `S`."""
 
-    width: int
-    who: str
-
+    @property
+    def width(self) -> int: ...
+    @property
+    def who(self) -> str: ...
+    @overload
+    def rows(self, logits: Tensor) -> Tensor: ...
+    @overload
+    def rows(self, logits: LinearLogits) -> LinearLogits: ...
     def rows(self, logits: Logits) -> Logits: ...
     def local(self, x: Tensor) -> Tensor: ...
     def next_tokens(self, x: Tensor) -> Tensor: ...
@@ -76,9 +81,10 @@ class RowsView:
     who: ClassVar[str] = "prepare_loss_input"
 
     @staticmethod
-    def of(logits: Logits, width: int, context_parallel_group: Any) -> RowsView:
-        """The view of `[B, S(_local), ...]` logits (or `LinearLogits`) over rows of width `width`."""
-        cp = group_size(context_parallel_group)
+    def of(logits: Logits, width: int, parallel: ParallelGroups) -> RowsView:
+        """The view of `[B, S(_local), ...]` logits (or `LinearLogits`) over rows of width
+        `width`, their positions sharded over `parallel.cp`."""
+        cp = group_size(parallel.cp)
         if cp == 1:
             return RowsView(logits.shape[0], width, width)
         padded = logits.shape[1] * cp
@@ -87,9 +93,13 @@ class RowsView:
                 f"logits hold {logits.shape[1]} positions per context-parallel rank; {cp} ranks cover {padded}, "
                 f"fewer than the {width} positions of input_ids"
             )
-        shards = ContextShards.of_rows(logits.shape[0], padded, context_parallel_group, logits.device)
+        shards = ContextShards.of_rows(logits.shape[0], padded, parallel.cp, logits.device)
         return RowsView(logits.shape[0], width, padded, shards)
 
+    @overload
+    def rows(self, logits: Tensor) -> Tensor: ...
+    @overload
+    def rows(self, logits: LinearLogits) -> LinearLogits: ...
     def rows(self, logits: Logits) -> Logits:
         """`[B, W, V]` logits → this rank's `[N, V]` rows (a view when W == S)."""
         if self.shards is None and logits.shape[1] < self.width:
@@ -141,6 +151,10 @@ class PackedView:
     width: int
     who: ClassVar[str] = "prepare_packed_loss_input"
 
+    @overload
+    def rows(self, logits: Tensor) -> Tensor: ...
+    @overload
+    def rows(self, logits: LinearLogits) -> LinearLogits: ...
     def rows(self, logits: Logits) -> Logits:
         return per_position(logits, self.layout.slots)
 

@@ -6,13 +6,17 @@ before shape-dependent collectives."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
-def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+def same_group(a: ProcessGroup | None, b: ProcessGroup | None) -> bool:
     """Whether `a` and `b` hold the same ranks (None, or a group of one rank: no group); the
     same object is (no call)."""
     if a is b:
@@ -23,14 +27,14 @@ def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool
     return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: ProcessGroup | None) -> int:
     """World size of `group` (1 for None or when torch.distributed is not initialised)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
+def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank in `group` (0 for None or when torch.distributed is not initialised)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 0
@@ -48,26 +52,13 @@ class ParallelGroups:
     (dimensions `dp`, `dp_shard_cp`, `tp`) the model is sharded on; None for a single
     process or for groups that do not come from a training run's mesh."""
 
-    tp: Any = None
-    cp: Any = None
-    dp: Any = None
-    mesh: Any = None
+    tp: ProcessGroup | None = None
+    cp: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    mesh: DeviceMesh | None = None
     vocab_size: int | None = None
     """The vocabulary's size where its `tp` shards were padded to equal widths (uneven DTensor
     shards, `compiled_loss.vocab.shards`); None: `V_local · tp`."""
-
-    @staticmethod
-    def of_seed(
-        vocab_parallel_rank: int | None, vocab_parallel_group: Any, context_parallel_group: Any
-    ) -> ParallelGroups:
-        """The groups of the seed signatures' `vocab_parallel_rank` / `vocab_parallel_group` /
-        `context_parallel_group` arguments; the rank, passed beside the group, must be the group's."""
-        if vocab_parallel_rank is not None and vocab_parallel_rank != group_rank(vocab_parallel_group):
-            raise ValueError(
-                f"vocab_parallel_rank={vocab_parallel_rank} is not this process's rank "
-                f"{group_rank(vocab_parallel_group)} in vocab_parallel_group"
-            )
-        return ParallelGroups(tp=vocab_parallel_group, cp=context_parallel_group)
 
     @property
     def sizes(self) -> tuple[int, int, int]:
@@ -100,7 +91,7 @@ def _signature(value: Any) -> Any:
     return value
 
 
-def check_agreement(what: str, value: Any, *groups: dist.ProcessGroup | None) -> None:
+def check_agreement(what: str, value: Any, *groups: ProcessGroup | None) -> None:
     """Host side, before a collective whose shapes depend on `value`: every rank of each group
     holds an equal `value`; otherwise a ValueError naming every rank's value, raised on every
     rank of the groups (the values travel in one small all-gather per group, whatever their

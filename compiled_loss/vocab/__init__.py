@@ -11,11 +11,13 @@
   gradient in the forward (`linear_vocab_gradient`);
 - `stats`: the statistics' pieces both share;
 - `sampling`: top-k / top-p parameters and keep thresholds;
-- `draft_vocab`: the drafter's draft→target vocabulary map.
+- `draft_vocab`: the drafter's draft→target vocabulary map (`DraftVocab`, `draft_vocab_logits`);
+- `shards`: `local_logits`, DTensor logits unwrapped into this rank's tensor and their groups.
 """
 
-from compiled_loss.vocab.draft_vocab import DraftVocab, map_teacher_logits_to_draft_vocab
-from compiled_loss.vocab.fused import GRADIENT_CARRIER, LinearLogits, linear_vocab_gradient, per_position
+from compiled_loss.edge import edge_attribute
+from compiled_loss.vocab.draft_vocab import DraftVocab, draft_vocab_logits
+from compiled_loss.vocab.fused import LinearLogits, linear_vocab_gradient, per_position
 from compiled_loss.vocab.reduce import (
     VocabStats,
     check_chunk_size,
@@ -32,17 +34,27 @@ from compiled_loss.vocab.sampling import (
     sampling_threshold,
 )
 
+# names with the seed's signatures, exported here and defined in the edge room (`compiled_loss.edge`)
+_EDGE = {
+    "map_teacher_logits_to_draft_vocab": "utils",
+}
+
+
+def __getattr__(name: str) -> object:
+    return edge_attribute(__name__, name, _EDGE)
+
+
 __all__ = [
     "DraftVocab",
-    "GRADIENT_CARRIER",
     "LinearLogits",
     "TrainingSamplingParams",
     "VocabStats",
     "check_chunk_size",
+    "draft_vocab_logits",
+    "linear_vocab_gradient",
     "map_teacher_logits_to_draft_vocab",
     "mask_out_neg_inf_logprobs",
     "need_top_k_or_top_p_filtering",
-    "linear_vocab_gradient",
     "per_position",
     "reverse_kl",
     "sampling_threshold",

@@ -8,14 +8,12 @@ needs no sync, so compiled callers and per-micro-batch callers build it once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
-from compiled_loss.parallel import check_agreement, group_rank, group_size
+from compiled_loss.parallel import ParallelGroups, check_agreement, group_rank, group_size
 from compiled_loss.parallel.collectives import all_gather
 from compiled_loss.vocab.fused import LinearLogits
-from compiled_loss.vocab.shards import seed_groups
 
 Tensor = torch.Tensor
 
@@ -62,48 +60,46 @@ class DraftVocab:
         )
 
 
-def map_teacher_logits_to_draft_vocab(
+def draft_vocab_logits(
     teacher_logits: Tensor | LinearLogits,
     d2t: Tensor | DraftVocab | None,
-    vocab_parallel_rank: int | None = None,
-    vocab_parallel_group: Any = None,
+    parallel: ParallelGroups = ParallelGroups(),
+    who: str = "draft_vocab_logits",
 ) -> Tensor:
     """Restrict full-vocab teacher logits `[..., V]` to the draft vocabulary via `d2t`
     (draft index `i` → target id `i + d2t[i]`); no-op when `d2t` is None (ref §6.2).
 
-    Under tensor parallelism (`vocab_parallel_group`, or a DTensor sharded on the vocabulary:
-    `compiled_loss.vocab.shards`) the teacher arrives vocab-sharded `[..., V / tp]`: it is
-    all-gathered to the full vocabulary and this rank's contiguous slice of the draft
-    vocabulary is returned `[..., V_draft / tp]` (the draft head is
+    Under tensor parallelism (`parallel.tp`) the teacher arrives vocab-sharded
+    `[..., V / tp]`: it is all-gathered to the full vocabulary and this rank's contiguous
+    slice of the draft vocabulary is returned `[..., V_draft / tp]` (the draft head is
     sharded the same way). Pass a `DraftVocab` (checked once) to map without a device sync;
     a raw `d2t` tensor is checked on every eager call (one sync) and not under torch.compile.
     `LinearLogits` (an LM head's factors) give the same logits from the draft vocabulary's
     rows of the head alone (its weight shards all-gathered under TP): no `[..., V]` logits.
     An eager call under TP first checks that every rank holds an equally wide shard of the
-    same shape and dtype (a ValueError on every rank otherwise).
+    same shape and dtype (a ValueError on every rank, naming `who`, otherwise).
     """
-    teacher_logits, parallel = seed_groups(
-        teacher_logits, vocab_parallel_rank, vocab_parallel_group, None, "map_teacher_logits_to_draft_vocab"
-    )
-    linear = isinstance(teacher_logits, LinearLogits)
     if d2t is None:
-        return teacher_logits.logits() if linear else teacher_logits
+        return teacher_logits.logits() if isinstance(teacher_logits, LinearLogits) else teacher_logits
     group = parallel.tp
     shards = group_size(group)
     check_agreement(
-        "map_teacher_logits_to_draft_vocab's inputs (each rank's teacher_logits are its vocabulary shard "
+        f"{who}'s inputs (each rank's teacher_logits are its vocabulary shard "
         "[..., V / tp]: equally wide, with the same shape and dtype on every rank)",
         {"teacher_logits.weight": teacher_logits.weight, "teacher_logits.bias": teacher_logits.bias}
-        if linear
+        if isinstance(teacher_logits, LinearLogits)
         else {"teacher_logits": teacher_logits},
         group,
     )
-    if linear:
-        weight, bias = teacher_logits.weight, teacher_logits.bias
-        if shards > 1:
-            weight = all_gather(weight, group).flatten(0, 1)
-            bias = None if bias is None else all_gather(bias, group).flatten(0, 1)
-        vocab = weight.shape[0]
+    if isinstance(teacher_logits, LinearLogits):
+        if shards > 1:  # the whole head
+            bias = teacher_logits.bias
+            teacher_logits = dataclasses.replace(
+                teacher_logits,
+                weight=all_gather(teacher_logits.weight, group).flatten(0, 1),
+                bias=None if bias is None else all_gather(bias, group).flatten(0, 1),
+            )
+        vocab = teacher_logits.weight.shape[0]
     else:
         if shards > 1:
             gathered = all_gather(teacher_logits, group)  # [tp, ..., V / tp]
@@ -125,7 +121,7 @@ def map_teacher_logits_to_draft_vocab(
         rank = group_rank(group)
         target = target[rank * local : (rank + 1) * local]
     target = target.to(teacher_logits.device)
-    if linear:
-        bias = None if bias is None else bias[target]
-        return teacher_logits.linear(weight[target], bias)
+    if isinstance(teacher_logits, LinearLogits):
+        bias = teacher_logits.bias
+        return teacher_logits.linear(teacher_logits.weight[target], None if bias is None else bias[target])
     return teacher_logits.index_select(-1, target)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import torch
 from torch._higher_order_ops.scan import scan
@@ -57,10 +57,6 @@ Tensor = torch.Tensor
 # depend on it.
 _FUSED_CHUNK_ELEMENTS = 1 << 22
 _MAX_CHUNKS = 16
-
-# The loss-input key of the zero that carries the gradient computed in the forward
-# (`linear_vocab_gradient`): the micro-batch entry point adds it to the loss.
-GRADIENT_CARRIER = "gradient_in_forward"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -180,6 +176,10 @@ def _cast(
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
+@overload
+def per_position(logits: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor: ...
+@overload
+def per_position(logits: LinearLogits, fn: Callable[[Tensor], Tensor]) -> LinearLogits: ...
 def per_position(logits: Tensor | LinearLogits, fn: Callable[[Tensor], Tensor]) -> Tensor | LinearLogits:
     """`fn` (a reshape, slice, gather or shard over the leading positions, never over the
     last dimension) applied to logits, or to the hidden states a `LinearLogits` holds."""

@@ -24,7 +24,8 @@ ceil(V / tp)`, the primitive's; `ParallelGroups.vocab_size` keeps the real `V`, 
 eager id check reads. The gradient flows back into the DTensor with its
 placements. Anything else — a `Partial` placement, a mesh of other dimension names, a
 shard of another dimension, a group argument that is not the mesh's — is a ValueError
-naming it, raised alike on every rank before any collective.
+naming it, raised alike on every rank before any collective. The seed signatures' group
+arguments reach it through `compiled_loss.nemo_rl.groups`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from typing_extensions import TypeIs
 
 from compiled_loss.parallel import ParallelGroups, same_group
 from compiled_loss.vocab.fused import LinearLogits
@@ -43,11 +46,11 @@ from compiled_loss.vocab.fused import LinearLogits
 Tensor = torch.Tensor
 
 
-def _is_dtensor(x: Any) -> bool:
+def _is_dtensor(x: object) -> TypeIs[DTensor]:
     return isinstance(x, DTensor)
 
 
-def _same_group(given: Any, mesh_group: Any) -> bool:
+def _same_group(given: ProcessGroup | None, mesh_group: ProcessGroup | None) -> bool:
     return given is None or same_group(given, mesh_group)
 
 
@@ -127,7 +130,7 @@ def _local_linear(logits: LinearLogits, parallel: ParallelGroups, who: str) -> t
                     f"and scale={logits.scale}: the padded rows' logits would not vanish; shard the vocabulary evenly"
                 )
             bias = weight.new_zeros(weight.shape[0]) if bias is None else bias
-            bias = _pad_vocab(bias, vocab, tp, torch.finfo(logits.dtype).min)
+            bias = _pad_vocab(bias, vocab, tp, torch.finfo(weight.dtype if logits.dtype is None else logits.dtype).min)
             weight = F.pad(weight, (0, 0, 0, bias.shape[0] - weight.shape[0]))
             parallel = dataclasses.replace(parallel, vocab_size=vocab)
     return dataclasses.replace(logits, hidden=hidden, weight=weight, bias=bias), parallel
@@ -162,15 +165,3 @@ def local_tensor(x: Any, parallel: ParallelGroups, who: str, name: str) -> Any:
     ):
         raise ValueError(f"{who}: {name} must be sharded as the logits are, over the same mesh groups")
     return local
-
-
-def seed_groups(
-    logits: Any, vocab_parallel_rank: int | None, vocab_parallel_group: Any, context_parallel_group: Any, who: str
-) -> tuple[Any, ParallelGroups]:
-    """The seed signatures' logits and group arguments converted once: `local_logits` over
-    `ParallelGroups.of_seed`'s groups; `vocab_parallel_rank`, when given, must be this rank's
-    in the vocabulary group the logits end up sharded over."""
-    parallel = ParallelGroups(tp=vocab_parallel_group, cp=context_parallel_group)
-    logits, parallel = local_logits(logits, parallel, who)
-    ParallelGroups.of_seed(vocab_parallel_rank, parallel.tp, parallel.cp)
-    return logits, parallel
