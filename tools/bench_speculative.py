@@ -36,7 +36,7 @@ import torch
 
 from compiled_loss.app import compose_config
 from compiled_loss.app.sampler import Sampler, log_probs, sampling_uniforms
-from compiled_loss.app.speculative import SpeculativeSampler, _propose, _start, speculative_uniforms
+from compiled_loss.app.speculative import SpeculativeSampler, _sampling, _Settings, _start, speculative_uniforms
 from compiled_loss.config import build_draft_runtime
 from compiled_loss.demo.data import prompt_width, response_width, task_prompts
 from compiled_loss.demo.model import TinyLM
@@ -82,18 +82,15 @@ def measure(draft: str, rows: int, gamma: int, backend: str, repeat: int, overri
     cache_len = prompt_width(cfg.data) + slots + gamma + 1
     padded = torch.cat([spec_uniforms, spec_uniforms[:, -1:].expand(-1, gamma + 2, -1)], 1)
     with torch.no_grad():
-        state, y, pos, *_, cache, _, _ = _start(
-            policy, runtime, prompts.input_ids, prompts.lengths, padded, kind=draft, cache_len=cache_len,
-            response=slots, width=slots + gamma + 2, logp=logp,
-        )  # fmt: skip
+        settings = _Settings(gamma, cache_len, slots, slots + gamma + 2, logp)
+        carry = _start(policy, runtime, prompts.input_ids, prompts.lengths, padded, settings=settings)
+        state, y, pos, cache = carry.state, carry.y, carry.pos, carry.cache
         compile_ = functools.partial(torch.compile, backend=backend, fullgraph=True, dynamic=False)
         decode = compile_(lambda: policy.decode(y, pos, cache))
         tokens = y[:, None].expand(-1, gamma + 1).contiguous()
         verify = compile_(lambda: policy.extend(tokens, pos, cache, runtime.aux_layers))
-        vocab = cfg.model.vocab_size
-        propose = compile_(
-            lambda: _propose(runtime, state, y, pos, padded[:, :gamma], kind=draft, gamma=gamma, vocab=vocab, logp=logp)
-        )
+        sample = _sampling(logp, cfg.model.vocab_size)
+        propose = compile_(lambda: runtime.propose(state, pos, padded[:, :gamma, 0], sample))  # the drafts' uniforms
         for name, fn in (("decode_ms", decode), ("verify_ms", verify), ("propose_ms", propose)):
             out[name] = _median_ms(fn, repeat * 4)
     out["round_ms"] = out["spec_ms"] / out["rounds"]

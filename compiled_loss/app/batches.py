@@ -5,11 +5,12 @@ and std-normalisation options), `preference_pairs` DPO's (best, worst) pair of e
 sampled group, `sample_batch` a pre-made batch (the task's pre-made rows with their GRPO
 advantages) and `replica_rows` a data-parallel replica's share of a batch.
 
-`rollout` annotates a batch for one loss family with model outputs: the previous policy's
-log-probs from the policy being trained, the reference log-probs from the frozen
-reference, and — where the batch has none of its own — the generation log-probs from the
-reference too (standing in for the engine that sampled pre-made data), so ratios,
-importance weights and KL terms are real. Token-indexed log-probs carry NeMo-RL's dummy 0
+`rollout` annotates a batch for one loss kind with model outputs — its
+`compiled_loss.config.LossKind.fill` names which: the previous policy's log-probs from the
+policy being trained, the reference log-probs from the frozen reference, and — where the
+batch has none of its own — the generation log-probs from the reference too (standing in
+for the engine that sampled pre-made data), so ratios, importance weights and KL terms are
+real. Token-indexed log-probs carry NeMo-RL's dummy 0
 in column 0; DPO's reference log-probs are pre-rolled left by one (ref §1.2).
 `annotate_cross_tokenizer` adds the digit teachers' logits and alignments
 (`compiled_loss.demo.cross_tokenizer`) that cross-tokenizer distillation reads.
@@ -17,16 +18,17 @@ in column 0; DPO's reference log-probs are pre-rolled left by one (ref §1.2).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
 
-from compiled_loss.config import Config, DataConfig, Family, LogprobConfig
+from compiled_loss.config import LOSS_FAMILIES, Config, DataConfig, Family, LogprobConfig, LossKind
 from compiled_loss.demo import cross_tokenizer
 from compiled_loss.demo.data import premade_rows
 from compiled_loss.demo.model import TinyLM
-from compiled_loss.inputs import OPD_FULL_TEACHER_PAYLOAD_FIELD, get_next_token_logprobs_from_logits
 from compiled_loss.losses import CrossTokenizerDistillationLossFn
+from compiled_loss.nemo_rl.loss_input import get_next_token_logprobs_from_logits
 from compiled_loss.vocab import mask_out_neg_inf_logprobs
 
 Tensor = torch.Tensor
@@ -113,9 +115,45 @@ def model_logprobs(
     return torch.nn.functional.pad(lp, (1, 0))
 
 
+class _Outputs:
+    """`ModelOutputs` of one batch: the models' outputs a loss kind's `fill` reads, each taken
+    when read."""
+
+    def __init__(self, ids: Tensor, batch: dict[str, Tensor], kind: LossKind, models: RolloutModels) -> None:
+        self.ids, self.batch, self.kind, self.models, self.topk = ids, batch, kind, models, models.topk
+
+    def policy_logprobs(self) -> Tensor:
+        sampling = self.models.sampling
+        prev = model_logprobs(self.models.policy, self.ids, sampling)
+        return mask_out_neg_inf_logprobs(prev, self.batch["token_mask"]) if sampling else prev
+
+    def reference_logprobs(self) -> Tensor:
+        return model_logprobs(self.models.reference, self.ids, self.models.sampling, filtered=False)
+
+    def teacher_logits(self) -> Tensor:
+        if self.models.teacher is None:
+            raise ValueError(f"rollout(family={self.kind.family!r}) needs a teacher model")
+        return _forward(self.models.teacher, self.ids)
+
+    def policy_outputs(self) -> Tensor:
+        return _forward(self.models.policy, self.ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutModels:
+    """What `rollout` annotates with: the policy, the frozen reference, the teacher (of a kind
+    that reads one), the teacher's top-k and the run's `logprob` config."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module
+    teacher: torch.nn.Module | None = None
+    topk: int = 16
+    sampling: LogprobConfig | None = None
+
+
 def rollout(
     batch: dict[str, Tensor],
-    family: Family,
+    family: LossKind | Family,
     *,
     policy: torch.nn.Module,
     reference: torch.nn.Module,
@@ -123,39 +161,19 @@ def rollout(
     topk: int = 16,
     sampling: LogprobConfig | None = None,
 ) -> dict[str, Tensor]:
-    """Annotate a batch with the model outputs `family`'s loss reads (no gradients).
+    """Annotate a batch with the model outputs a loss kind's loss reads (no gradients): the
+    data keys its `LossKind.fill` fills (`family`: the kind, or its family's name).
 
     With `sampling` (the run's `logprob` config) the log-probs are taken as the loss takes
     them: temperature-scaled, the policy's under the top-k / top-p filter (filtered tokens
     and positions outside the token mask 0), the reference's unfiltered (the reference KL
     reads the unfiltered current log-probs, ref §5.1). A batch that carries its own
     `generation_logprobs` (sampled on-policy) keeps them."""
-    out = dict(batch)
-    ids = batch["input_ids"]
-    if family == "policy_gradient":
-        prev = model_logprobs(policy, ids, sampling)
-        out["prev_logprobs"] = mask_out_neg_inf_logprobs(prev, batch["token_mask"]) if sampling else prev
-        reference_lp = model_logprobs(reference, ids, sampling, filtered=False)
-        out.setdefault("generation_logprobs", reference_lp)
-        out["reference_policy_logprobs"] = reference_lp
-    elif family == "dpo":
-        out["reference_policy_logprobs"] = torch.roll(model_logprobs(reference, ids, sampling, filtered=False), -1, 1)
-    elif family == "distillation":
-        if teacher is None:
-            raise ValueError("rollout(family='distillation') needs a teacher model")
-        top = torch.topk(_forward(teacher, ids), topk, dim=-1)
-        out["teacher_topk_logits"], out["teacher_topk_indices"] = top.values, top.indices
-    elif family == "opd_full":  # on-policy distillation: the teacher's full logits; the reference for β != 0
-        if teacher is None:
-            raise ValueError("rollout(family='opd_full') needs a teacher model")
-        out[OPD_FULL_TEACHER_PAYLOAD_FIELD] = _forward(teacher, ids)
-        out["reference_policy_logprobs"] = model_logprobs(reference, ids, sampling, filtered=False)
-    elif family == "value":
-        out["values"] = _forward(policy, ids).squeeze(-1)
-        out["returns"] = batch["rewards"][:, None] * batch["token_mask"]
-    elif family not in ("nll", "cross_tokenizer"):  # cross-tokenizer teachers: `annotate_cross_tokenizer`
+    kind = family if isinstance(family, LossKind) else LOSS_FAMILIES.get(family)
+    if kind is None:
         raise ValueError(f"unknown loss family {family!r}")
-    return out
+    models = RolloutModels(policy, reference, teacher, topk, sampling)
+    return kind.fill(batch, _Outputs(batch["input_ids"], batch, kind, models))
 
 
 @torch.no_grad()

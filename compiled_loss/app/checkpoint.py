@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from compiled_loss.config import Config
+from compiled_loss.config import Config, draft_names
 
 # Keys a resume may change (a key, or a group ending in "."): how the same steps are laid
 # out, compiled, logged and saved. Logging and saving keys resume bitwise; a changed layout
@@ -66,9 +66,6 @@ RESUMABLE = (
     "run.steps",
     "run.sft_steps",
 )
-# DFlash draws a static number of anchors per replica and micro-batch, seeded by both
-# (`anchor_seed`): with it these change what a step computes
-_DFLASH_FIXED = ("parallel.dp", "run.micro_batches")
 _UNSET = "unset"  # a key one of the two configs lacks
 _KEYS = (
     "step",
@@ -239,7 +236,7 @@ def _compatible(path: str, state: dict[str, Any], training: TrainingState) -> li
     unread = {"run.resume", "run.compile_cache"}
     differ = sorted(k for k in (old.keys() | new.keys()) - unread if old.get(k, _UNSET) != new.get(k, _UNSET))
     changes = {k: f"{k} {old.get(k, _UNSET)!r} -> {new.get(k, _UNSET)!r}" for k in differ}
-    fixed = _DFLASH_FIXED if new["draft.name"] == "dflash" else ()
+    fixed = draft_names()[new["draft.name"]].fixed_on_resume
     refused = [
         k for k in differ if k in fixed or not any(k.startswith(r) if r.endswith(".") else k == r for r in RESUMABLE)
     ]

@@ -133,14 +133,14 @@ def _describe(hint: Any) -> tuple[str, str, bool]:
 
 def _value_error(key: str, given: str, value: Any, hint: Any) -> str:
     """The one line that refuses `key=given` (Hydra's parse: `value`) for a field of type `hint`."""
-    kind, looks, optional = _describe(hint)
+    type_name, looks, optional = _describe(hint)
     if value is None and not optional:
-        return f"{key}: null is not a valid {kind} ({key} cannot be null; {looks})"
-    if kind.startswith("list") and not isinstance(value, (list, tuple)):
+        return f"{key}: null is not a valid {type_name} ({key} cannot be null; {looks})"
+    if type_name.startswith("list") and not isinstance(value, (list, tuple)):
         looks = f"{looks}: {key}=[{given}]"
-    elif kind == "int" and isinstance(value, float) and value.is_integer():
+    elif type_name == "int" and isinstance(value, float) and value.is_integer():
         looks = f"{looks}: {key}={int(value)}"
-    return f"{key}: {given} is not a valid {kind}{' or null' if optional else ''} ({looks})"
+    return f"{key}: {given} is not a valid {type_name}{' or null' if optional else ''} ({looks})"
 
 
 def _takes(cls: type, field: str, value: Any) -> bool:

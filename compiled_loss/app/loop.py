@@ -32,9 +32,9 @@ from compiled_loss.app.batches import annotate_cross_tokenizer
 from compiled_loss.app.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from compiled_loss.app.curves import WARM_START
 from compiled_loss.app.loggers import MetricsLogger, Progress, finite, open_loggers, step_line
-from compiled_loss.app.rollouts import Rollouts
+from compiled_loss.app.rollouts import Rollouts, RolloutSources
 from compiled_loss.compile import load_compile_cache, save_compile_cache
-from compiled_loss.config import Config, build_draft_runtime, loss_family
+from compiled_loss.config import Config, LossKind, Teacher, build_draft_runtime, draft_kind, drafter_name, loss_kind
 from compiled_loss.config.losses import NllLossOption
 from compiled_loss.demo import cross_tokenizer
 from compiled_loss.demo.hf import Policy, policy_model
@@ -49,30 +49,17 @@ from compiled_loss.train.step import TrainStep
 
 log = logging.getLogger(__name__)
 
-# the metrics shown on the per-step line, per loss family (when present)
-_KEY_METRICS = {
-    "policy_gradient": ("probs_ratio", "kl_penalty", "sampling_importance_ratio"),
-    "nll": (),
-    "dpo": ("accuracy", "rewards_chosen_mean", "rewards_rejected_mean"),
-    "distillation": (),
-    "opd_full": ("opd_full_reverse_kl",),
-    "cross_tokenizer": ("kl_loss", "ce_loss", "accuracy"),
-    "value": ("values_mean", "vf_clipfrac"),
-}
-
 
 def _draft_metrics(cfg: Config) -> tuple[str, ...]:
     """The draft metrics shown on the per-step line: its loss and how well it agrees with
-    the policy (EAGLE-3: top-1 agreement at the first and last TTT step; DFlash: τ, the
-    first slot's accept rate and top-1 agreement) and, with `run.speculative`, the sampler's
-    acceptance length and speed-up over plain decoding."""
+    the policy (`DraftKind.metrics`: EAGLE-3: top-1 agreement at the first and last TTT step;
+    DFlash: τ, the first slot's accept rate and top-1 agreement) and, with `run.speculative`,
+    the sampler's acceptance length and speed-up over plain decoding."""
+    kind = draft_kind(cfg.draft)
+    if not kind.co_trained:
+        return ()
     speculative = ("speculative_tau", "speculative_speedup") if cfg.run.speculative else ()
-    if cfg.draft.name == "eagle3":
-        last = cfg.draft.ttt_steps - 1
-        return ("draft_loss", "draft_full_acc@0") + ((f"draft_full_acc@{last}",) if last else ()) + speculative
-    if cfg.draft.name == "dflash":
-        return ("draft_loss", "draft_tau", "draft_accept_rate@1", "draft_acc@1") + speculative
-    return ()
+    return kind.metrics(cfg.draft) + speculative
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:
@@ -120,7 +107,7 @@ class Run:
 
     cfg: Config
     groups: ParallelGroups
-    family: str
+    kind: LossKind
     policy: Policy
     reference: Policy
     drafter: DraftRuntimeBase | None
@@ -201,15 +188,15 @@ def build_models(cfg: Config, groups: ParallelGroups) -> Models:
     (`shard_model`: FSDP2, the TP plan; the policy's decoder layers compiled inside their
     FSDP units) and keeps an unsharded copy of the policy to generate with; the teachers and
     the drafter are replicated."""
-    family = loss_family(cfg.loss)
-    policy = policy_model(cfg.model, value_head=family == "value", draft=cfg.draft.name)
+    kind = loss_kind(cfg.loss)
+    policy = policy_model(cfg.model, value_head=kind.value_head, draft=drafter_name(cfg.draft))
     reference = copy.deepcopy(policy).requires_grad_(False).eval()
-    teacher = TinyLM(cfg.model).requires_grad_(False).eval() if family in ("distillation", "opd_full") else None
-    teachers = cross_tokenizer.teacher_models(cfg) if family == "cross_tokenizer" else None
+    teacher = TinyLM(cfg.model).requires_grad_(False).eval() if kind.teacher is Teacher.same_tokenizer else None
+    teachers = cross_tokenizer.teacher_models(cfg) if kind.teacher is Teacher.cross_tokenizer else None
     drafter = build_draft_runtime(cfg.draft, cfg.model, policy, groups.dp)
     recorder, generator = None, policy
     if groups.mesh is not None:
-        generator = copy.deepcopy(policy).requires_grad_(False) if family != "value" else None
+        generator = copy.deepcopy(policy).requires_grad_(False) if kind.samples else None
         c = cfg.compile
         recorder = CompileRecorder(c.backend, "decoder layers", c.mode) if c.enabled else None
         compile_kwargs = dict(fullgraph=c.fullgraph, dynamic=c.dynamic)
@@ -230,11 +217,11 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
     """The run's models (seeded by `run.seed`), loss, optimizers, steps and rollouts."""
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
-    family = loss_family(cfg.loss)
+    kind = loss_kind(cfg.loss)
     models = build_models(cfg, groups)
     policy, drafter = models.policy, models.drafter
     # cross-tokenizer distillation: its projections come from the demo task
-    loss_fn = cross_tokenizer.build_cross_tokenizer_loss(cfg) if family == "cross_tokenizer" else None
+    loss_fn = cross_tokenizer.build_cross_tokenizer_loss(cfg) if kind.teacher is Teacher.cross_tokenizer else None
     o = cfg.optim
     warm_optimizer, optimizer = (
         torch.optim.AdamW(models.trained(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
@@ -242,21 +229,12 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
     )
     step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
     warm = build_train_step(dataclasses.replace(cfg, loss=NllLossOption()), policy, warm_optimizer, groups, drafter)
-    rollouts = Rollouts(
-        cfg,
-        family,
-        groups,
-        rng,
-        policy=policy,
-        generator=models.generator,
-        reference=models.reference,
-        teacher=models.teacher,
-        drafter=drafter,
-    )
+    sources = RolloutSources(policy, models.reference, models.generator, models.teacher, drafter)
+    rollouts = Rollouts(cfg, groups, rng, sources)
     return Run(
         cfg=cfg,
         groups=groups,
-        family=family,
+        kind=kind,
         policy=policy,
         reference=models.reference,
         drafter=drafter,
@@ -266,7 +244,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
         warm=warm,
         step=step,
         rollouts=rollouts,
-        warm_steps=cfg.run.warm_start_steps(family),
+        warm_steps=cfg.run.warm_start_steps(kind.family),
         layers_recorder=models.layers_recorder,
     )
 
@@ -369,12 +347,12 @@ def _steps(
     rank gathers the checkpoints' state; rank 0 (the one with a `progress`) writes them, logs the progress, hands each
     record to the `loggers` and, after a step that compiled, writes `run.compile_cache`
     (`cache`: `_load_compile_cache`'s) when it lacks something compiled."""
-    family, policy, reference, step, warm = run.family, run.policy, run.reference, run.step, run.warm
+    kind, policy, reference, step, warm = run.kind, run.policy, run.reference, run.step, run.warm
     warm_steps, total, lead = run.warm_steps, cfg.run.steps, progress is not None
     # MPO: the driver's running mean reward δ of the BCO term (ref §4.4), carried in the metrics
     reward_shift = (
         None
-        if cfg.loss.name != "mpo"
+        if not kind.reward_shift
         else next((r["reward_shift"] for r in reversed(history) if "reward_shift" in r), cfg.loss.reward_shift)
     )
     saved: list[Path] = []  # the checkpoints this run wrote, oldest first
@@ -424,7 +402,7 @@ def _steps(
                 log.info("step %d: wrote run.compile_cache=%s (%.1f MiB)", i, cache["path"], size)
         for logger in loggers:
             logger.log(i, record)
-        shown = (() if warming else _KEY_METRICS.get(family, ())) + _draft_metrics(cfg)
+        shown = (() if warming else kind.key_metrics) + _draft_metrics(cfg)
         progress.step(record, step_line(record, total, shown), seconds, compiled=bool(compiled))
 
 

@@ -7,22 +7,24 @@ sampler again on the same rows, only timed —; a data-parallel rank samples its
 contiguous share of those rows. A sharded policy (a parallel run) generates through its
 unsharded copy (`generator`), loaded with the policy's weights gathered whole before each
 sampling: every rank holds the whole policy while it samples, as an RL trainer's
-inference engine does, and the compiled samplers see plain tensors. Then, per loss family:
+inference engine does, and the compiled samplers see plain tensors. Then, per loss kind
+(`compiled_loss.config.LossKind`):
 
-- `policy_gradient`: the sampled rows, their rewards, GRPO advantages over each group and
-  the sampler's log-probs as `generation_logprobs`;
-- `dpo`: each group's best and worst response as a (chosen, rejected) pair; its statistics
-  add `preference_accuracy`, the fraction of fixed held-out pairs (a correct response and
-  a corrupted one, pre-made) whose implicit reward `Σ log π/π_ref` prefers the correct
-  response (the loss's own `accuracy` is over the step's fresh pairs, sampled from the
-  policy itself);
-- `distillation`, `opd_full`, `cross_tokenizer`: the sampled rows (on-policy distillation;
-  the cross-tokenizer teachers annotate them in the loop);
-- `nll` and the warm start (`warm_start`): the correct responses to `prompts ×
-  group_size` fresh prompts — the policy samples them too, for the reward it would earn;
-- `value`: pre-made rows (a value head cannot sample).
+- one that samples (`LossKind.samples`; policy gradient, distillation, `opd_full`,
+  `cross_tokenizer` — its teachers annotate the rows in the loop): the sampled rows, their
+  rewards, GRPO advantages over each group and the sampler's log-probs as
+  `generation_logprobs`;
+- one that trains on pairs (`LossKind.pairs`: DPO, MPO): each group's best and worst
+  response as a (chosen, rejected) pair; its statistics add `preference_accuracy`, the
+  fraction of fixed held-out pairs (a correct response and a corrupted one, pre-made) whose
+  implicit reward `Σ log π/π_ref` prefers the correct response (the loss's own `accuracy`
+  is over the step's fresh pairs, sampled from the policy itself);
+- one whose data is clean (`LossKind.clean`: NLL) and the warm start (`warm_start`): the
+  correct responses to `prompts × group_size` fresh prompts — the policy samples them too,
+  for the reward it would earn;
+- a value head (`LossKind.samples` false): pre-made rows (it cannot sample).
 
-`rollout` then adds the model outputs the family's loss reads. Each batch comes with its
+`rollout` then adds the model outputs the kind's loss reads (`LossKind.fill`). Each batch comes with its
 statistics over the global batch: `reward` (mean), `solved` (the fraction answered
 exactly), `entropy` (the mean −log-prob of the sampled tokens, an estimate of the
 sampling distribution's per-token entropy), `response_length` and `sample_seconds`; with
@@ -49,7 +51,8 @@ from compiled_loss.app.batches import (
 )
 from compiled_loss.app.sampler import Sampler, Samples, sampling_uniforms
 from compiled_loss.app.speculative import SpeculativeSampler, speculative_uniforms
-from compiled_loss.config import Config, Family
+from compiled_loss.config import Config, LossKind, loss_kind
+from compiled_loss.config.losses import NllLossOption
 from compiled_loss.demo.data import Prompts, correct_batch, sampled_batch, score, task_prompts
 from compiled_loss.demo.hf import Policy
 from compiled_loss.demo.model import TinyLM
@@ -59,39 +62,41 @@ from compiled_loss.train.parallel import ParallelGroups, all_reduce_host, gather
 Tensor = torch.Tensor
 
 _HELD_OUT_PAIRS = 32  # DPO's held-out preference pairs
+_WARM_START = loss_kind(NllLossOption())  # the warm start trains NLL on correct responses
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSources:
+    """The models `Rollouts` samples and annotates with: the policy, its frozen reference, what
+    generates (the policy itself when None, or its unsharded copy), the teacher and the drafter."""
+
+    policy: Policy
+    reference: Policy
+    generator: Policy | None = None
+    teacher: TinyLM | None = None
+    drafter: DraftRuntimeBase | None = None
 
 
 class Rollouts:
     """`rollouts(step) -> (batch, stats)`: this replica's batch of global step `step` for
-    the run's loss family, annotated, and the step's statistics; `rollouts.warm_start(step)`
-    the same for the supervised warm start (see the module docstring). Prompts come from
-    `rng` in step order."""
+    the run's loss kind (`compiled_loss.config.loss_kind(cfg.loss)`), annotated, and the
+    step's statistics; `rollouts.warm_start(step)` the same for the supervised warm start
+    (see the module docstring). Prompts come from `rng` in step order."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        family: Family,
-        groups: ParallelGroups,
-        rng: random.Random,
-        *,
-        policy: Policy,
-        reference: Policy,
-        generator: Policy | None = None,
-        teacher: TinyLM | None = None,
-        drafter: DraftRuntimeBase | None = None,
-    ) -> None:
-        self.cfg, self.family, self.groups, self.rng = cfg, family, groups, rng
-        self.policy, self.reference, self.teacher = policy, reference, teacher
-        self.generator = policy if generator is None else generator
+    def __init__(self, cfg: Config, groups: ParallelGroups, rng: random.Random, models: RolloutSources) -> None:
+        self.cfg, self.kind, self.groups, self.rng = cfg, loss_kind(cfg.loss), groups, rng
+        self.policy, self.reference, self.teacher = models.policy, models.reference, models.teacher
+        self.generator = models.policy if models.generator is None else models.generator
         self.rows = cfg.data.prompts * cfg.data.group_size  # of the global batch
         self.local = self.rows // groups.sizes[2]
-        self.sampler = Sampler(cfg, self.generator, self.local) if family != "value" else None
+        self.sampler = Sampler(cfg, self.generator, self.local) if self.kind.samples else None
+        drafter = models.drafter
         speculative = cfg.run.speculative and drafter is not None
         self.speculative = SpeculativeSampler(cfg, self.generator, drafter, self.local) if speculative else None
         held_out = dataclasses.replace(cfg.data, prompts=_HELD_OUT_PAIRS)
         self.held_out = (
             sample_batch(held_out, cfg.model.vocab_size, random.Random(cfg.run.seed + 1), pairs=True)
-            if family == "dpo"
+            if self.kind.pairs
             else None
         )
 
@@ -149,10 +154,10 @@ class Rollouts:
         margin = ratio[0] - ratio[1]
         return float((margin[::2] > margin[1::2]).double().mean())
 
-    def _annotate(self, batch: dict[str, Tensor], family: Family) -> dict[str, Tensor]:
+    def _annotate(self, batch: dict[str, Tensor], kind: LossKind) -> dict[str, Tensor]:
         return rollout(
             batch,
-            family,
+            kind,
             policy=self.generator,  # no gradient: the policy's weights as sampled, whole
             reference=self.reference,
             teacher=self.teacher,
@@ -165,16 +170,16 @@ class Rollouts:
         policy earns on them."""
         prompts = task_prompts(self.cfg.data, self.cfg.model.vocab_size, self.rng, self.rows)
         _, _, stats = self._sample(prompts, step)
-        return self._annotate(correct_batch(prompts.rows(self._share())), "nll"), stats
+        return self._annotate(correct_batch(prompts.rows(self._share())), _WARM_START), stats
 
     def __call__(self, step: int) -> tuple[dict[str, Tensor], dict[str, float]]:
-        data, family = self.cfg.data, self.family
-        if family == "nll":
+        data, kind = self.cfg.data, self.kind
+        if kind.clean:
             return self.warm_start(step)
         if self.sampler is None:  # a value head: pre-made rows
             batch = sample_batch(data, self.cfg.model.vocab_size, self.rng)
             stats = {"reward": float(batch["rewards"].mean())}
-            return self._annotate(replica_rows(batch, self.groups.sizes[2], self.groups.dp_rank), family), stats
+            return self._annotate(replica_rows(batch, self.groups.sizes[2], self.groups.dp_rank), kind), stats
         prompts = task_prompts(data, self.cfg.model.vocab_size, self.rng, data.prompts).repeat(data.group_size)
         samples, rewards, stats = self._sample(prompts, step)
         advantages = grpo_advantages(
@@ -183,7 +188,7 @@ class Rollouts:
         batch = sampled_batch(
             prompts.rows(self._share()), samples.tokens, samples.lengths, samples.logprobs, rewards, advantages
         )
-        if family == "dpo":
+        if kind.pairs:
             batch = preference_pairs(batch, data.group_size)
             stats["preference_accuracy"] = self.preference_accuracy()
-        return self._annotate(batch, family), stats
+        return self._annotate(batch, kind), stats

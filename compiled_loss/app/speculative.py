@@ -15,7 +15,8 @@ tokens — and each token's log-prob is the policy's own, read from the verifyin
 a trainer's `generation_logprobs`, as without speculation. A row gains `n + 1` tokens per
 round (`n` accepted drafts): the acceptance length `τ` is their mean over the rows alive.
 
-The drafters propose as they train (`compiled_loss.draft`):
+The drafters propose as they train, through the `SpeculativeDrafter` protocol
+(`compiled_loss.draft.speculative`: `prefill`, `propose`, `commit`) each runtime implements:
 
 - EAGLE-3 (`draft=eagle3`): a chain of `γ` steps from the last slot the policy processed
   (`Eagle3Drafter.chain`), each step's draft the next step's token, over a step-0 cache of
@@ -38,7 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,9 +48,7 @@ from compiled_loss.app.sampler import Samples, check_finite, draw, log_probs
 from compiled_loss.config import Config
 from compiled_loss.demo.data import EOS, PAD, Prompts, prompt_width, response_width
 from compiled_loss.demo.model import TinyLM
-from compiled_loss.draft import DraftRuntimeBase
-from compiled_loss.draft.dflash import DFlashRuntime
-from compiled_loss.draft.eagle3 import Eagle3Runtime
+from compiled_loss.draft.speculative import DrafterState, Sample, SpeculativeDrafter, to_policy_vocab
 from compiled_loss.train import CompileRecorder, compile_loss
 
 Tensor = torch.Tensor
@@ -78,83 +78,77 @@ class SpeculativeSamples(Samples):
         return self.tokens_per_round / max(self.row_rounds, 1)
 
 
-def _target_vocab(logits: Tensor, target_ids: Tensor | None, vocab: int) -> Tensor:
-    """Draft-vocabulary logits `[..., V_draft]` on the policy's vocabulary `[..., V]` (`-inf`
-    at the ids the draft vocabulary lacks)."""
-    if target_ids is None:
-        return logits
-    return logits.new_full((*logits.shape[:-1], vocab), -math.inf).index_copy(-1, target_ids, logits)
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """A sampler's constants: `γ`, the caches' slots, the response slots, the output width and
+    the log-probs of the sampling distribution (`log_probs` under the run's filter)."""
+
+    gamma: int
+    cache_len: int
+    response: int
+    width: int
+    logp: Callable[[Tensor], Tensor]
 
 
-def _start(policy, runtime, ids, lengths, uniforms, *, kind, cache_len, response, width, logp):
+class _Carry(NamedTuple):
+    """What a round carries: the drafter's `state`, each row's last token `y` and its position
+    `pos`, the response slots `filled`, `alive`, the policy's cache and the output `tokens` /
+    `logprobs` `[R, R_resp + γ + 2]` (the last column takes the writes of what is not kept)."""
+
+    state: DrafterState
+    y: Tensor
+    pos: Tensor
+    filled: Tensor
+    alive: Tensor
+    cache: Any
+    tokens: Tensor
+    logprobs: Tensor
+
+
+def _start(
+    policy: TinyLM, runtime: SpeculativeDrafter, ids: Tensor, lengths: Tensor, uniforms: Tensor, *, settings: _Settings
+) -> _Carry:
     """Prefill the prompts, draw each row's first token from the policy and set up the
-    drafter's state. Returns the round's carried tensors (see `_round`)."""
-    rows, prompt = ids.shape
-    aux_layers = runtime.aux_layers
-    logits, cache, aux = policy.prefill(ids, lengths, cache_len, aux_layers)
-    lp = logp(logits)
+    drafter's state (`SpeculativeDrafter.prefill`)."""
+    rows = ids.shape[0]
+    logits, cache, aux = policy.prefill(ids, lengths, settings.cache_len, runtime.aux_layers)
+    lp = settings.logp(logits)
     y = draw(lp.exp(), uniforms[:, 0, _RESIDUAL])
     y_logp = lp.gather(-1, y[:, None])[:, 0]
-    slot = torch.arange(prompt, device=ids.device)
-    last = lengths - 1  # the slot of each prompt's last token
-    if kind == "eagle3":
-        drafter = runtime.drafter
-        after = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], PAD)], 1)  # x_{t+1} at slot t
-        after = torch.where(slot == last[:, None], y[:, None], after)
-        heads = drafter.num_heads
-        shape = (2, rows, heads, cache_len, drafter.hidden_size // heads)
-        empty = torch.zeros(shape, dtype=drafter.fc.weight.dtype, device=ids.device)
-        out, dcache = drafter.context(after, aux, slot.expand(rows, prompt), empty)
-        state = (dcache, out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0])
-    else:
-        aux_cache = aux.new_zeros(rows, cache_len, aux.shape[-1])
-        aux_cache[:, :prompt] = aux
-        ids_cache = torch.nn.functional.pad(ids, (0, cache_len - prompt), value=PAD)
-        state = (aux_cache, ids_cache.scatter(1, lengths[:, None], y[:, None]))
-    tokens = torch.full((rows, width), PAD, dtype=ids.dtype, device=ids.device)
+    state = runtime.prefill(ids, lengths, y, aux, cache_len=settings.cache_len, pad=PAD)
+    tokens = torch.full((rows, settings.width), PAD, dtype=ids.dtype, device=ids.device)
     tokens[:, 0] = y
-    logprobs = torch.zeros(rows, width, device=ids.device)
+    logprobs = torch.zeros(rows, settings.width, device=ids.device)
     logprobs[:, 0] = y_logp
-    alive = (y != EOS) & (response > 1)
-    return state, y, lengths.clone(), torch.ones_like(lengths), alive, cache, tokens, logprobs
+    alive = (y != EOS) & (settings.response > 1)
+    return _Carry(state, y, lengths.clone(), torch.ones_like(lengths), alive, cache, tokens, logprobs)
 
 
-def _propose(runtime, state, y, pos, u, *, kind, gamma, vocab, logp):
-    """The drafts `[R, γ]` and the drafter's log-probs `[R, γ, V]` on the policy's vocabulary."""
-    if kind == "eagle3":
-        drafter, target_ids = runtime.drafter, None if runtime.draft_vocab is None else runtime.draft_vocab.target_ids
-        dcache, out = state
-        slot, chain, drafts, lqs = pos - 1, [], [], []
-        for k in range(gamma):
-            if k:
-                out, chain = drafter.chain(drafts[-1], out, slot, k, dcache, chain)
-            lq = logp(_target_vocab(drafter.logits(out), target_ids, vocab))
-            drafts.append(draw(lq.exp(), u[:, k, _DRAFT]))
-            lqs.append(lq)
-        return torch.stack(drafts, 1), torch.stack(lqs, 1)
-    drafter = runtime.drafter
-    aux_cache, ids_cache = state
-    rows, cache_len = ids_cache.shape
-    positions = torch.arange(cache_len, device=y.device).expand(rows, cache_len)
-    anchors = torch.arange(rows, device=y.device) * cache_len + pos
-    hidden = drafter(aux_cache, ids_cache, positions, torch.zeros_like(ids_cache), anchors)
-    lq = logp(_target_vocab(drafter.logits(hidden[:, 1 : gamma + 1]), drafter.draft_target_ids, vocab))
-    return draw(lq.exp(), u[:, :, _DRAFT]), lq
+def _sampling(logp: Callable[[Tensor], Tensor], vocab: int) -> Sample:
+    """`Sample` for the drafter: the draft distribution on the policy's vocabulary under the
+    sampler's filter, and its draws."""
+
+    def sample(logits: Tensor, target_ids: Tensor | None, u: Tensor) -> tuple[Tensor, Tensor]:
+        lq = logp(to_policy_vocab(logits, target_ids, vocab))
+        return draw(lq.exp(), u), lq
+
+    return sample
 
 
-def _round(policy, runtime, state, y, pos, filled, alive, cache, tokens, logprobs, uniforms, *, kind, gamma, logp):
-    """One round for every row: propose, verify in one policy forward, accept. Carried:
-    the drafter's `state`, each row's last token `y` and its position `pos`, the response
-    slots `filled`, `alive`, the policy's cache and the output `tokens` / `logprobs`
-    `[R, R_resp + γ + 2]` (the last column takes the writes of what is not kept). Also
-    returns the tokens each row gained `[R]`."""
+def _round(
+    policy: TinyLM, runtime: SpeculativeDrafter, carry: _Carry, uniforms: Tensor, *, settings: _Settings
+) -> tuple[_Carry, Tensor, Tensor]:
+    """One round for every row: propose, verify in one policy forward, accept. Returns the
+    carried tensors (`_Carry`), the tokens each row gained `[R]` and the rows alive in it."""
+    state, y, pos, filled, alive, cache, tokens, logprobs = carry
+    gamma, logp = settings.gamma, settings.logp
     rows, width = tokens.shape
     response = width - gamma - 2
     vocab = policy.head.weight.shape[0]
     index = torch.arange(gamma + 1, device=y.device)
     slots = (filled[:, None] + index).clamp(max=width - 1)  # the response slot of the token at pos + 1 + j
     u = uniforms.gather(1, slots[..., None].expand(-1, -1, 3))  # [R, γ + 1, 3]
-    drafts, lq = _propose(runtime, state, y, pos, u[:, :gamma], kind=kind, gamma=gamma, vocab=vocab, logp=logp)
+    drafts, lq = runtime.propose(state, pos, u[:, :gamma, _DRAFT], _sampling(logp, vocab))
     logits, cache, aux = policy.extend(torch.cat([y[:, None], drafts], 1), pos, cache, runtime.aux_layers)
     lp = logp(logits)  # [R, γ + 1, V]: position pos + 1 + j
     p, q = lp.exp(), torch.cat([lq.exp(), torch.zeros_like(lq[:, :1])], 1)  # q of the bonus draw: none
@@ -178,21 +172,10 @@ def _round(policy, runtime, state, y, pos, filled, alive, cache, tokens, logprob
     ended = (ends & kept).any(1)
     was_alive = alive
     filled, alive = filled + gained, alive & ~ended & (filled + gained < response)
-    # the drafter's state: the slots pos .. pos + γ (committed up to pos + n)
-    if kind == "eagle3":
-        drafter, (dcache, _) = runtime.drafter, state
-        out, dcache = drafter.context(emitted, aux, pos[:, None] + index, dcache)
-        state = (dcache, out.gather(1, accepted[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0])
-    else:
-        aux_cache, ids_cache = state
-        at = (pos[:, None] + index)[..., None].expand(-1, -1, aux.shape[-1])
-        state = (
-            aux_cache.scatter(1, at, aux.to(aux_cache.dtype)),
-            ids_cache.scatter(1, pos[:, None] + 1 + index, emitted),
-        )
+    state = runtime.commit(state, emitted, aux, pos, accepted)  # the slots pos .. pos + γ (committed up to pos + n)
     y = torch.where(was_alive, bonus, y)
     pos = pos + gained  # a row that ended stays where it is (gained < n + 1 ends it)
-    return state, y, pos, filled, alive, cache, tokens, logprobs, gained, was_alive
+    return _Carry(state, y, pos, filled, alive, cache, tokens, logprobs), gained, was_alive
 
 
 class SpeculativeSampler:
@@ -201,22 +184,20 @@ class SpeculativeSampler:
     docstring); compiled as the run's `compile` group says (`recorder` reports it).
     `uniforms`: `speculative_uniforms(seed, step, rows, response_width)`."""
 
-    def __init__(self, cfg: Config, policy: TinyLM, runtime: DraftRuntimeBase, rows: int) -> None:
-        if not isinstance(runtime, (Eagle3Runtime, DFlashRuntime)):
+    def __init__(self, cfg: Config, policy: TinyLM, runtime: SpeculativeDrafter, rows: int) -> None:
+        if not isinstance(runtime, SpeculativeDrafter):  # the runtimes that implement it
             raise TypeError(
                 f"SpeculativeSampler drafts with an Eagle3Runtime or a DFlashRuntime, not {type(runtime).__name__}"
             )
-        kind = "eagle3" if isinstance(runtime, Eagle3Runtime) else "dflash"
         self.policy, self.runtime, self.rows, self.gamma = policy, runtime, rows, cfg.run.speculative_tokens
         self.prompt_len, self.response_len = prompt_width(cfg.data), response_width(cfg.data)
         lp = cfg.logprob
         logp = functools.partial(log_probs, temperature=lp.temperature, top_k=lp.top_k, top_p=lp.top_p)
         cache_len = self.prompt_len + self.response_len + self.gamma + 1
         width = self.response_len + self.gamma + 2
-        first = functools.partial(
-            _start, kind=kind, cache_len=cache_len, response=self.response_len, width=width, logp=logp
-        )
-        step = functools.partial(_round, kind=kind, gamma=self.gamma, logp=logp)
+        settings = _Settings(self.gamma, cache_len, self.response_len, width, logp)
+        first = functools.partial(_start, settings=settings)
+        step = functools.partial(_round, settings=settings)
         c = cfg.compile
         self.recorder = CompileRecorder(c.backend, "speculative sampler", c.mode) if c.enabled else None
         if self.recorder is not None:
@@ -241,21 +222,19 @@ class SpeculativeSampler:
         device = next(self.policy.parameters()).device
         # response slots past the bucket (drafts a round cuts) read the last slot's uniforms
         uniforms = torch.cat([uniforms, uniforms[:, -1:].expand(-1, self.gamma + 2, -1)], 1).to(device)
-        state, y, pos, filled, alive, cache, tokens, logprobs = self._start(
+        carry = self._start(
             self.policy, self.runtime, prompts.input_ids.to(device), prompts.lengths.to(device), uniforms
         )
         gained, rounds = [], []
         for _ in range(self.response_len - 1):
-            if not alive.any():  # host: the one read of a round
+            if not carry.alive.any():  # host: the one read of a round
                 break
-            state, y, pos, filled, alive, cache, tokens, logprobs, got, was_alive = self._round(
-                self.policy, self.runtime, state, y, pos, filled, alive, cache, tokens, logprobs, uniforms
-            )
+            carry, got, was_alive = self._round(self.policy, self.runtime, carry, uniforms)
             gained.append(got)
             rounds.append(was_alive)
-        tokens_nr = tokens[:, : self.response_len].cpu()
-        logprobs_nr = logprobs[:, : self.response_len].cpu()
+        tokens_nr = carry.tokens[:, : self.response_len].cpu()
+        logprobs_nr = carry.logprobs[:, : self.response_len].cpu()
         check_finite(logprobs_nr, step)
-        lengths = filled.cpu()
+        lengths = carry.filled.cpu()
         counts = [int(torch.stack(c).sum()) for c in (gained, rounds)] if gained else [0, 0]  # host
         return SpeculativeSamples(tokens_nr, logprobs_nr, lengths, *counts)

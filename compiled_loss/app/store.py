@@ -43,7 +43,10 @@ from compiled_loss.config import (
     ParallelConfig,
     RunConfig,
     build_draft_runtime,
+    draft_kind,
+    drafter_name,
     loss_family,
+    loss_kind,
 )
 from compiled_loss.config.drafts import size_keys
 from compiled_loss.config.groups import PackingMode
@@ -134,14 +137,14 @@ def allocations(config: Config) -> list[tuple[str, int]]:
     found = [_policy_allocation(config)]
     batch, slots = _batch_allocations(config)
     found += batch
-    if config.draft.name != "none":
+    if draft_kind(config.draft).co_trained:
         found += _drafter_allocations(config, slots)
     return found
 
 
 def _policy_allocation(config: Config) -> tuple[str, int]:
     """The policy's weights, gradients, KL reference, AdamW moments (and a teacher)."""
-    model, draft, family = config.model, config.draft, loss_family(config.loss)
+    model, draft, kind = config.model, config.draft, loss_kind(config.loss)
     size = getattr(torch, model.dtype).itemsize
     model_keys = (
         "model.vocab_size, model.hidden_size, model.num_layers, model.mlp_ratio, model.max_positions"
@@ -150,12 +153,12 @@ def _policy_allocation(config: Config) -> tuple[str, int]:
     )
     params, _ = _parameters(  # a model.hf_path checkpoint is built whole, whatever num_layers says
         lambda n: policy_model(
-            dataclasses.replace(model, num_layers=n), value_head=family == "value", draft=draft.name
+            dataclasses.replace(model, num_layers=n), value_head=kind.value_head, draft=drafter_name(draft)
         ),
         model.num_layers,
         model_keys,
     )
-    copies = 7 + (family in ("distillation", "opd_full"))  # the policy, its gradient, the KL reference,
+    copies = kind.state_copies  # the policy, its gradient, the KL reference,
     # two AdamW (the warm start's, the loss's) × two moments, and a teacher
     return (
         f"the policy's weights, gradients, reference and AdamW moments ({params:,} parameters of {model_keys} "
@@ -205,10 +208,7 @@ def _drafter_allocations(config: Config, slots: int) -> list[tuple[str, int]]:
         keys,
     )
     vocab = draft.draft_vocab_size or model.vocab_size
-    if draft.name == "eagle3":
-        logits = f"draft.ttt_steps × {slots} slots × {vocab}", draft.ttt_steps * slots * vocab * 4
-    else:
-        logits = f"draft.num_anchors × draft.block_size × {vocab}", draft.num_anchors * draft.block_size * vocab * 4
+    logits = draft_kind(draft).logits(draft, slots, vocab)
     return [
         (
             f"the drafter's weights, gradients and AdamW moments ({trained:,} parameters of {keys} × 6)",
@@ -230,16 +230,12 @@ def _check_speculative(config: Config) -> None:
     )
     if not run.speculative:
         return
+    kind = draft_kind(config.draft)
     require(
-        config.draft.name != "none",
+        kind.co_trained,
         "run.speculative=true drafts with the co-trained drafter: choose draft=eagle3 or draft=dflash",
     )
-    if config.draft.name == "dflash":
-        require(
-            gamma <= config.draft.block_size - 1,
-            f"run.speculative_tokens={gamma} exceeds draft.block_size - 1 = {config.draft.block_size - 1}, the "
-            "tokens one DFlash block proposes",
-        )
+    kind.speculative_bound(config.draft, gamma)
     slots = prompt_width(data) + response + gamma + 1
     require(
         slots <= config.model.max_positions,

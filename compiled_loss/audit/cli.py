@@ -51,27 +51,21 @@ from typing import Any
 
 import torch
 
+from compiled_loss.config import LOSS_KINDS, draft_names, loss_names
 from compiled_loss.train.recorder import CompileRecorder, CompileReport
 
 Tensor = torch.Tensor
 
-LOSSES = (
-    "clipped_pg",
-    "gspo",
-    "cispo",
-    "reinforce",
-    "opd_full",
-    "nll",
-    "dpo",
-    "mpo",
-    "distillation",
-    "cross_tokenizer",
-    "mse_value",
+_LOSS_CLASSES = loss_names()  # every runner loss with graphs of its own -> its option class
+_DRAFT_KINDS = draft_names()
+LOSSES = tuple(_LOSS_CLASSES)
+_POLICY_GRADIENT = tuple(  # the losses with a metrics_level
+    name for name, cls in _LOSS_CLASSES.items() if "metrics_level" in {f.name for f in dataclasses.fields(cls)}
 )
-_POLICY_GRADIENT = ("clipped_pg", "gspo", "cispo", "reinforce", "opd_full")  # the losses with a metrics_level
-_LOGITS_ONLY = ("mse_value", "opd_full", "cross_tokenizer")  # a value head, a teacher's full logits: no fused head
+# a value head, a teacher's full logits: no fused head
+_LOGITS_ONLY = tuple(name for name, cls in _LOSS_CLASSES.items() if not LOSS_KINDS[cls].fused_head)
 PACKINGS = ("none", "per_sequence", "fused")
-DRAFTS = ("none", "eagle3", "dflash")
+DRAFTS = tuple(_DRAFT_KINDS)
 DTYPES = ("fp32", "bf16")
 HEADS = ("logits", "linear")
 METRICS = ("full", "minimal")
@@ -110,7 +104,10 @@ def _configuration(
     """The configuration, or None where the run refuses it: a value head takes no drafter, the
     fused head no drafter and no loss that reads logits (`_LOGITS_ONLY`). The metrics level
     is the policy-gradient losses' (others audit as `full`)."""
-    if (loss == "mse_value" and draft != "none") or (head == "linear" and (loss in _LOGITS_ONLY or draft != "none")):
+    drafter = _DRAFT_KINDS[draft].co_trained
+    if (LOSS_KINDS[_LOSS_CLASSES[loss]].value_head and drafter) or (
+        head == "linear" and (loss in _LOGITS_ONLY or drafter)
+    ):
         return None
     return Configuration(loss, packing, draft, dtype, backend, head, metrics if loss in _POLICY_GRADIENT else "full")
 
@@ -301,10 +298,10 @@ def _config(c: Configuration, steps: int, sizes: tuple[int, ...] = (1, 1, 1, 1))
 
 def _loss_fn(cfg):
     """The run's loss object (cross-tokenizer distillation: with the demo teachers' projections)."""
-    from compiled_loss.config import loss_family
+    from compiled_loss.config import Teacher, loss_kind
     from compiled_loss.demo import cross_tokenizer
 
-    if loss_family(cfg.loss) == "cross_tokenizer":
+    if loss_kind(cfg.loss).teacher is Teacher.cross_tokenizer:
         return cross_tokenizer.build_cross_tokenizer_loss(cfg)
     return cfg.loss_fn
 
@@ -313,10 +310,11 @@ def _annotate(batch: dict[str, Tensor], cfg, loss_fn, teachers) -> dict[str, Ten
     """`batch` (with `input_lengths`) plus what the run's driver adds for its loss: MPO's
     running reward shift, cross-tokenizer distillation's teacher logits and alignments."""
     from compiled_loss.app.batches import annotate_cross_tokenizer
+    from compiled_loss.config import loss_kind
 
     if teachers is not None:
         batch = annotate_cross_tokenizer(batch, loss_fn, teachers, cfg)
-    if cfg.loss.name == "mpo":
+    if loss_kind(cfg.loss).reward_shift:
         batch = {**batch, "reward_shift": torch.full((batch["input_ids"].shape[0],), cfg.loss.reward_shift)}
     return batch
 
@@ -326,7 +324,7 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
     RL micro-batches with random logits (`logprob.fused_linear`: random hidden states and
     LM head, as `LinearLogits`)."""
     from compiled_loss.app.batches import sample_batch
-    from compiled_loss.config import PackingMode, loss_family
+    from compiled_loss.config import PackingMode, Teacher, loss_kind
     from compiled_loss.demo import cross_tokenizer
     from compiled_loss.inputs import Preparation, PrepareOptions
     from compiled_loss.interfaces import InputSpec
@@ -337,10 +335,10 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     loss_fn = _loss_fn(cfg)
     prepare = Preparation(loss_fn, InputSpec.of(loss_fn), PrepareOptions())
-    family = loss_family(cfg.loss)
-    teachers = cross_tokenizer.teacher_models(cfg) if family == "cross_tokenizer" else None
+    kind = loss_kind(cfg.loss)
+    teachers = cross_tokenizer.teacher_models(cfg) if kind.teacher is Teacher.cross_tokenizer else None
     mode, grid = cfg.packing.mode, cfg.packing.grid()
-    vocab = 1 if family == "value" else cfg.model.vocab_size
+    vocab = 1 if kind.value_head else cfg.model.vocab_size
 
     def random_logits(*positions: int):
         if not cfg.logprob.fused_linear:
@@ -349,7 +347,7 @@ def _wrapper_samples(cfg, dtype: torch.dtype, batches: int, seed: int):
         return LinearLogits(hidden, torch.randn(vocab, cfg.model.hidden_size, generator=gen).to(dtype).requires_grad_())
 
     for _ in range(batches):
-        batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo")
+        batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=kind.pairs)
         batch = _annotate(batch, cfg, loss_fn, teachers)
         lengths = batch.pop("input_lengths").tolist()  # host
         data = {**batch, **_random_model_outputs(batch, cfg, gen)}
@@ -397,8 +395,6 @@ def _wrapper_call(logits, data, prepare, layout, per_sequence: bool = False):
         data,
         g_seqs,
         g_toks,
-        loss_fn=prepare.loss_fn,
-        spec=prepare.spec,
         prepare=prepare,
         layout=layout,
         per_sequence=per_sequence,
@@ -411,7 +407,7 @@ def _audit_step(cfg, name: str, configuration: str, seed: int, groups=None) -> l
     first error Dynamo raises ends the drive and is the step's `error`."""
     from compiled_loss.app.batches import replica_rows, rollout, sample_batch
     from compiled_loss.app.loop import build_models
-    from compiled_loss.config import loss_family
+    from compiled_loss.config import loss_kind
     from compiled_loss.train import build_train_step
     from compiled_loss.train.parallel import ParallelGroups, gather_weights
 
@@ -420,7 +416,7 @@ def _audit_step(cfg, name: str, configuration: str, seed: int, groups=None) -> l
     torch._dynamo.reset()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    family = loss_family(cfg.loss)
+    kind = loss_kind(cfg.loss)
     models = build_models(cfg, groups)  # the run's models and drafter, as `python -m compiled_loss.run` builds them
     step = build_train_step(
         cfg,
@@ -435,12 +431,12 @@ def _audit_step(cfg, name: str, configuration: str, seed: int, groups=None) -> l
     results = [Drive(label, configuration, recorder.report) for label, recorder in recorders]
     warm: list[float] = []
     for i in range(cfg.run.steps):
-        batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=family == "dpo", clean=family == "nll")
+        batch = sample_batch(cfg.data, cfg.model.vocab_size, rng, pairs=kind.pairs, clean=kind.clean)
         if models.generator is not None and models.generator is not models.policy:  # as `Rollouts` scores rows
             gather_weights(models.policy, models.generator)
         batch = rollout(
             replica_rows(batch, dp, groups.dp_rank),
-            family,
+            kind,
             policy=models.generator or models.policy,
             reference=models.reference,
             teacher=models.teacher,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from compiled_loss.checks import FLOAT32, ConfigError, require
-from compiled_loss.config.drafts import DRAFT_KINDS, NoneDraftOption, check_draft
+from compiled_loss.config.drafts import DRAFT_KINDS, DraftOption, NoneDraftOption, check_draft
 from compiled_loss.config.groups import (
     CompileConfig,
     DataConfig,
@@ -22,20 +22,37 @@ from compiled_loss.config.groups import (
     ParallelConfig,
     RunConfig,
 )
-from compiled_loss.config.losses import LOSS_KINDS, ClippedPgLossOption, MpoLossOption, build_loss, loss_family
+from compiled_loss.config.losses import (
+    LOSS_KINDS,
+    ClippedPgLossOption,
+    LossOption,
+    MpoLossOption,
+    build_loss,
+    loss_family,
+)
 from compiled_loss.interfaces import LossFunction, LossInputType
 from compiled_loss.packing import round_to_bucket
+
+if TYPE_CHECKING:
+    _LossField = LossOption
+    _DraftField = DraftOption
+else:
+    # What Hydra sees: OmegaConf's structured configs take a Union of primitive types only, not
+    # one of dataclasses, so `ConfigStore` registers `loss` and `draft` as Any (each option's own
+    # schema, `schema_loss_<name>` / `schema_draft_<name>`, types its keys); type checkers see
+    # the union of the option classes.
+    _LossField = _DraftField = Any
 
 
 @dataclasses.dataclass(kw_only=True)
 class Config:
     """One training run: a loss and every other group (see `compiled_loss.config.groups`)."""
 
-    loss: Any = None
+    loss: _LossField = None  # type: ignore[assignment]  # None: replaced in __post_init__
     """A loss option (one of `compiled_loss.config.LOSS_KINDS`); None: GRPO with the reference's defaults."""
     packing: PackingConfig = dataclasses.field(default_factory=PackingConfig)
     """How micro-batches are laid out: padded rows or packed, and the bucket grid."""
-    draft: Any = None
+    draft: _DraftField = None  # type: ignore[assignment]  # None: replaced in __post_init__
     """A draft option (one of `compiled_loss.config.DRAFT_KINDS`); None: no co-trained drafter."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """Tensor-, context- and data-parallel sizes."""

@@ -281,10 +281,10 @@ Policy = TinyLM | HFCausalLM
 """What the runner trains: `forward`, `prefill` and `decode` as `TinyLM` defines them."""
 
 
-def policy_model(cfg: ModelConfig, *, value_head: bool = False, draft: str = "none") -> Policy:
+def policy_model(cfg: ModelConfig, *, value_head: bool = False, draft: str | None = None) -> Policy:
     """The run's policy: `TinyLM` (`model.architecture=tiny`; a value head for `value_head`)
     or `HFCausalLM` (`model.architecture=hf`, which refuses a value head and a drafter:
-    `draft` is the run's `draft` option)."""
+    `draft` is the run's co-trained drafter's option name, None without one)."""
     if cfg.architecture == "tiny":
         return TinyLM(cfg, value_head=value_head)
     require(
@@ -292,7 +292,7 @@ def policy_model(cfg: ModelConfig, *, value_head: bool = False, draft: str = "no
         "model.architecture=hf: loss=mse_value trains a value head, which only model.architecture=tiny builds",
     )
     require(
-        draft == "none",
+        draft is None,
         f"model.architecture=hf: draft={draft} co-trains a drafter on the policy's token embedding and hidden "
         "states, which only model.architecture=tiny returns; use draft=none",
     )

@@ -39,7 +39,7 @@ Loss (`DFlashRuntime.draft_loss`)
               zeroed.
     terms     `w = eval · exp(-(slot - 1) / γ_decay)` (no decay for γ_decay = 0);
               CE: the soft cross-entropy against the teacher distribution, fused with the
-              draft LM head (ref §7.7's `dflash_projected_vocab_parallel_soft_ce`; the §11.3
+              draft LM head (`dflash_soft_ce_stats`, ref §7.7; the §11.3
               runtime uses the hard label ids instead);
               TV: `Σ_v |softmax(draft) - softmax(teacher)|` (row chunks, recomputing
               backward); accept rate `a = clamp(1 - TV/2, 0, 1)`;
@@ -83,7 +83,8 @@ from compiled_loss.draft.common import (
     shift_left,
 )
 from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase
-from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, dflash_projected_vocab_parallel_soft_ce
+from compiled_loss.draft.speculative import DrafterState, Sample
+from compiled_loss.losses.draft_ce import DEFAULT_DRAFT_TOKEN_CHUNK_SIZE, dflash_soft_ce_stats
 from compiled_loss.parallel.collectives import all_reduce_sum
 from compiled_loss.vocab import DraftVocab, total_variation
 
@@ -274,8 +275,26 @@ class _BlockLayer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashShape:
+    """The sizes of a `DFlashDrafter`: the policy's hidden size, auxiliary layers and
+    vocabulary, the drafter's width, heads, block and layers, whether it has a confidence
+    head, its MLP ratio and RoPE base."""
+
+    policy_hidden_size: int
+    aux_layers: tuple[int, ...]
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    block_size: int
+    num_layers: int = 1
+    confidence_head: bool = False
+    mlp_ratio: int = 4
+    rope_theta: float = ROPE_THETA
+
+
 class DFlashDrafter(nn.Module):
-    """The block drafter (see the module docstring).
+    """The block drafter (see the module docstring), of `shape` (`DFlashShape`).
 
     `forward(hidden_states [R, L, A·H], input_ids, position_ids, document_ids [R, L], anchors
     [N]) -> [N, block_size, D]` final hidden states of every block slot; `logits(h)` over the
@@ -285,21 +304,20 @@ class DFlashDrafter(nn.Module):
 
     def __init__(
         self,
+        shape: DFlashShape,
         *,
-        policy_hidden_size: int,
-        aux_layers: tuple[int, ...],
-        vocab_size: int,
-        hidden_size: int,
-        num_heads: int,
-        block_size: int,
-        num_layers: int = 1,
         d2t: Tensor | DraftVocab | None = None,
         embedding_weight: Tensor | None = None,
-        confidence_head: bool = False,
-        mlp_ratio: int = 4,
-        rope_theta: float = ROPE_THETA,
     ) -> None:
         super().__init__()
+        policy_hidden_size, aux_layers, vocab_size = shape.policy_hidden_size, shape.aux_layers, shape.vocab_size
+        hidden_size, num_heads, block_size = shape.hidden_size, shape.num_heads, shape.block_size
+        num_layers, confidence_head, mlp_ratio, rope_theta = (
+            shape.num_layers,
+            shape.confidence_head,
+            shape.mlp_ratio,
+            shape.rope_theta,
+        )
         check_heads(hidden_size, num_heads)
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {block_size}")
@@ -421,6 +439,39 @@ class DFlashRuntime(DraftRuntimeBase):
         """Proposed tokens per block."""
         return self.config.block_size - FIRST_SUPERVISED_SLOT
 
+    # `SpeculativeDrafter`: one block forward at each row's last token over the auxiliary hidden
+    # states of the slots before it; the state is (those hidden states, the tokens) of every slot
+
+    def prefill(
+        self, ids: Tensor, lengths: Tensor, first: Tensor, aux: Tensor, *, cache_len: int, pad: int
+    ) -> DrafterState:
+        """The prompts' hidden states and tokens, `first` after each prompt."""
+        rows, prompt = ids.shape
+        aux_cache = aux.new_zeros(rows, cache_len, aux.shape[-1])
+        aux_cache[:, :prompt] = aux
+        ids_cache = F.pad(ids, (0, cache_len - prompt), value=pad)
+        return aux_cache, ids_cache.scatter(1, lengths[:, None], first[:, None])
+
+    def propose(self, state: DrafterState, pos: Tensor, uniforms: Tensor, sample: Sample) -> tuple[Tensor, Tensor]:
+        """Block slots `1..γ` of the block anchored at `pos`: independent proposals."""
+        drafter = self.drafter
+        aux_cache, ids_cache = state
+        rows, cache_len = ids_cache.shape
+        positions = torch.arange(cache_len, device=pos.device).expand(rows, cache_len)
+        anchors = torch.arange(rows, device=pos.device) * cache_len + pos
+        hidden = drafter(aux_cache, ids_cache, positions, torch.zeros_like(ids_cache), anchors)
+        return sample(drafter.logits(hidden[:, 1 : uniforms.shape[1] + 1]), drafter.draft_target_ids, uniforms)
+
+    def commit(self, state: DrafterState, emitted: Tensor, aux: Tensor, pos: Tensor, accepted: Tensor) -> DrafterState:
+        """The round's hidden states at slots `pos .. pos + γ`, its tokens after them."""
+        aux_cache, ids_cache = state
+        index = torch.arange(emitted.shape[1], device=pos.device)
+        at = (pos[:, None] + index)[..., None].expand(-1, -1, aux.shape[-1])
+        return (
+            aux_cache.scatter(1, at, aux.to(aux_cache.dtype)),
+            ids_cache.scatter(1, pos[:, None] + 1 + index, emitted),
+        )
+
     def draft_loss(self, batch: DraftBatch, n_slots: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, drafter = self.config, self.drafter
         check_draft_batch(batch, n_slots, drafter.fc.in_features, drafter.embed.num_embeddings, anchor_noise=True)
@@ -433,12 +484,11 @@ class DFlashRuntime(DraftRuntimeBase):
         slot = torch.arange(cfg.block_size, device=hidden.device)
         decay = math.exp(-1 / cfg.loss_decay_gamma) if cfg.loss_decay_gamma > 0 else 1.0
         # the decayed soft-CE, fused with the draft LM head (no [N·γ, V_draft] logits kept)
-        stats = dflash_projected_vocab_parallel_soft_ce(
+        stats = dflash_soft_ce_stats(
             draft_hidden=hidden,
             output_weight=drafter.lm_head.weight,
             teacher_logits=drafter.to_draft_vocab(batch.teacher_logits),
-            sample_rows=anchors // length,
-            label_positions=(anchors % length)[:, None] + slot,
+            teacher_rows=(anchors // length, (anchors % length)[:, None] + slot),
             loss_mask=blocks.eval_mask > 0,
             position_decay=decay,
             token_chunk_size=cfg.token_chunk_size or DEFAULT_DRAFT_TOKEN_CHUNK_SIZE,
@@ -508,7 +558,7 @@ def build_dflash_runtime(
     default to the policy's, its aux layers to `aux_layers_default(num_layers)`; the token
     embedding is copied from `policy_embedding_weight` and frozen when given; `d2t` maps the
     draft vocabulary (checked once, here)."""
-    drafter = DFlashDrafter(
+    shape = DFlashShape(
         policy_hidden_size=policy_model_config.hidden_size,
         aux_layers=resolve_aux_layers(config.aux_layers, policy_model_config.num_layers),
         vocab_size=policy_model_config.vocab_size,
@@ -516,9 +566,12 @@ def build_dflash_runtime(
         num_heads=config.num_heads or policy_model_config.num_heads,
         num_layers=config.num_layers,
         block_size=config.block_size,
+        confidence_head=config.confidence_head_alpha > 0,
+    )
+    drafter = DFlashDrafter(
+        shape,
         d2t=resolve_draft_vocab(d2t, config.draft_vocab_size, policy_model_config.vocab_size),
         embedding_weight=policy_embedding_weight,
-        confidence_head=config.confidence_head_alpha > 0,
     )
     return DFlashRuntime(config, drafter, dp_group=dp_group)
 
@@ -529,6 +582,7 @@ __all__ = [
     "DFlashConfig",
     "DFlashDrafter",
     "DFlashRuntime",
+    "DFlashShape",
     "block_targets",
     "build_dflash_runtime",
     "select_anchors",

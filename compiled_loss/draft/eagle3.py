@@ -49,8 +49,9 @@ from compiled_loss.draft.common import (
     shift_left,
 )
 from compiled_loss.draft.runtime import DraftBatch, DraftRuntimeBase
+from compiled_loss.draft.speculative import DrafterState, Sample
 from compiled_loss.parallel.collectives import all_reduce_sum
-from compiled_loss.vocab import DraftVocab, map_teacher_logits_to_draft_vocab, vocab_reduce
+from compiled_loss.vocab import DraftVocab, draft_vocab_logits, vocab_reduce
 
 Tensor = torch.Tensor
 
@@ -310,6 +311,44 @@ class Eagle3Runtime(DraftRuntimeBase):
             )
         self.drafter, self.config, self.draft_vocab = drafter, config, draft_vocab
 
+    # `SpeculativeDrafter`: a chain of γ steps from the last committed slot over a step-0 cache of
+    # every committed slot; the state is (the step-0 cache, the output at each row's last slot)
+
+    def prefill(
+        self, ids: Tensor, lengths: Tensor, first: Tensor, aux: Tensor, *, cache_len: int, pad: int
+    ) -> DrafterState:
+        """Step 0 over the prompts' slots (token `x_{t+1}` at slot t, `first` after the last)."""
+        rows, prompt = ids.shape
+        slot = torch.arange(prompt, device=ids.device)
+        last = lengths - 1  # the slot of each prompt's last token
+        drafter = self.drafter
+        after = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], pad)], 1)  # x_{t+1} at slot t
+        after = torch.where(slot == last[:, None], first[:, None], after)
+        heads = drafter.num_heads
+        shape = (2, rows, heads, cache_len, drafter.hidden_size // heads)
+        empty = torch.zeros(shape, dtype=drafter.fc.weight.dtype, device=ids.device)
+        out, cache = drafter.context(after, aux, slot.expand(rows, prompt), empty)
+        return cache, out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+
+    def propose(self, state: DrafterState, pos: Tensor, uniforms: Tensor, sample: Sample) -> tuple[Tensor, Tensor]:
+        """The chain: each step's draft the next step's token."""
+        drafter, target_ids = self.drafter, None if self.draft_vocab is None else self.draft_vocab.target_ids
+        cache, out = state
+        slot, chain, drafts, lqs = pos - 1, [], [], []
+        for k in range(uniforms.shape[1]):
+            if k:
+                out, chain = drafter.chain(drafts[-1], out, slot, k, cache, chain)
+            draft, lq = sample(drafter.logits(out), target_ids, uniforms[:, k])
+            drafts.append(draft)
+            lqs.append(lq)
+        return torch.stack(drafts, 1), torch.stack(lqs, 1)
+
+    def commit(self, state: DrafterState, emitted: Tensor, aux: Tensor, pos: Tensor, accepted: Tensor) -> DrafterState:
+        """Step 0 over the round's slots; the output at the last one kept."""
+        index = torch.arange(emitted.shape[1], device=pos.device)
+        out, cache = self.drafter.context(emitted, aux, pos[:, None] + index, state[0])
+        return cache, out.gather(1, accepted[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+
     def draft_loss(self, batch: DraftBatch, n_slots: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
         """The TTT loss of one micro-batch, divided by `n_slots`, and its metrics (0-d
         tensors; `@k` num/den pairs sum across micro-batches and ranks):
@@ -322,7 +361,7 @@ class Eagle3Runtime(DraftRuntimeBase):
         ids, documents = batch.input_ids, batch.document_ids
         rows, length = ids.shape
         total = rows * length
-        teacher = map_teacher_logits_to_draft_vocab(batch.teacher_logits.detach(), self.draft_vocab)
+        teacher = draft_vocab_logits(batch.teacher_logits.detach(), self.draft_vocab)
         teacher = teacher.reshape(total, -1)  # slot t's teacher row predicts token t + 1
         with torch.no_grad():
             teacher_negent = vocab_reduce(teacher, entropy=True, chunk_size=cfg.token_chunk_size).negent  # Σ p log p

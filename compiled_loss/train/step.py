@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -86,26 +86,23 @@ from compiled_loss.vocab.shards import local_logits
 Tensor = torch.Tensor
 
 
-def _captured(
-    model,
-    ids,
-    positions,
-    segments,
-    shards=None,
-    *,
-    aux_layers,
-    linear_logits=False,
-    documents=None,
-    loss_mask=None,
-    noise=None,
-):
+class _DraftSlots(NamedTuple):
+    """What a `DraftBatch` takes of the micro-batch besides the model's outputs, per slot."""
+
+    documents: Tensor
+    loss_mask: Tensor
+    noise: Tensor
+
+
+def _captured(model, ids, positions, segments, shards=None, *, aux_layers, linear_logits=False, slots=None):
     """The model forward on `[R, L]` inputs (`linear_logits`: the model returns
     `LinearLogits`) and this context-parallel rank's slots of its logits (`shards`, None
     without context parallelism); with a drafter (`aux_layers`) also the `DraftBatch` it
-    captured: the raw logits (before temperature) and the auxiliary layers' outputs,
-    detached, of every slot. A model that declares `context_parallel` runs this rank's slots
-    only, attending over every rank's keys and values (`context=`); the drafter's inputs are
-    then gathered from every rank. Any other model runs every slot and keeps this rank's."""
+    captured (`slots`: the micro-batch's documents, loss mask and anchor noise): the raw
+    logits (before temperature) and the auxiliary layers' outputs, detached, of every slot.
+    A model that declares `context_parallel` runs this rank's slots only, attending over
+    every rank's keys and values (`context=`); the drafter's inputs are then gathered from
+    every rank. Any other model runs every slot and keeps this rank's."""
     rows = ids.shape[0]
     sharded = shards is not None and getattr(model, "context_parallel", False)
 
@@ -128,10 +125,10 @@ def _captured(
             input_ids=ids,
             hidden_states=aux_hidden_states(hidden, aux_layers),
             teacher_logits=whole(logits) if sharded else logits.detach(),
-            loss_mask=loss_mask,
-            document_ids=documents,
+            loss_mask=slots.loss_mask,
+            document_ids=slots.documents,
             position_ids=positions,
-            anchor_noise=noise,
+            anchor_noise=slots.noise,
         )
     if shards is not None and not sharded:
         logits = per_position(logits, local)
@@ -150,10 +147,10 @@ def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_log
     this CP rank's slots of it, and the drafter's `DraftBatch` (or None)."""
     positions = torch.where(layout.slot_col < layout.tokens, layout.slot_col, 0)
     ids = layout.pack(data["input_ids"])[None]
-    capture = {}
+    slots = None
     if aux_layers is not None:
         real = layout.slot_col < layout.row_len[layout.slot_row]
-        capture = dict(
+        slots = _DraftSlots(
             documents=torch.where(real, layout.slot_row, -1)[None],
             loss_mask=layout.pack(data["token_mask"] * data["sample_mask"][:, None])[None],
             noise=layout.pack(data["anchor_noise"])[None],
@@ -166,7 +163,7 @@ def _packed_logits(model, layout: PackedLayout, data, *, temperature, linear_log
         layout.shards,
         aux_layers=aux_layers,
         linear_logits=linear_logits,
-        **capture,
+        slots=slots,
     )
     return (logits / temperature if temperature != 1.0 else logits), batch
 
@@ -180,10 +177,10 @@ def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_lay
     ids = torch.nn.functional.pad(data["input_ids"], (0, pad))
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     shards = ContextShards.of_rows(*ids.shape, cp, ids.device) if cp_size > 1 else None
-    capture = {}
+    slots = None
     if aux_layers is not None:  # the drafter reads whole rows (the context-parallel padding masked out)
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-        capture = dict(
+        slots = _DraftSlots(
             documents=torch.where(positions < data["input_lengths"][:, None], rows, -1),
             loss_mask=torch.nn.functional.pad(data["token_mask"] * data["sample_mask"][:, None], (0, pad)),
             noise=torch.nn.functional.pad(data["anchor_noise"], (0, pad)),
@@ -196,12 +193,12 @@ def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_lay
         shards,
         aux_layers=aux_layers,
         linear_logits=linear_logits,
-        **capture,
+        slots=slots,
     )
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 
-def _loss(logits, *inputs, loss_fn, spec, prepare, per_sequence, parallel):
+def _loss(logits, *inputs, prepare, per_sequence, parallel):
     """The micro-batch entry point on one of the step's micro-batches: `inputs` is
     `(data, g_seqs, g_toks)` for padded rows, `(layout, data, g_seqs, g_toks)` packed."""
     *layout, data, g_seqs, g_toks = inputs
@@ -210,8 +207,6 @@ def _loss(logits, *inputs, loss_fn, spec, prepare, per_sequence, parallel):
         data,
         g_seqs,
         g_toks,
-        loss_fn=loss_fn,
-        spec=spec,
         prepare=prepare,
         layout=layout[0] if layout else None,
         per_sequence=per_sequence,
@@ -354,8 +349,6 @@ class TrainStep:
             self._logits = functools.partial(_packed_logits, temperature=options.temperature, **capture)
         loss: Callable[..., Any] = functools.partial(
             _loss,
-            loss_fn=loss_fn,
-            spec=spec,
             prepare=Preparation(loss_fn, spec, PrepareOptions(groups, options.sampling_params, options.chunk_size)),
             per_sequence=options.packing == PackingMode.per_sequence,
             parallel=groups,
@@ -529,7 +522,7 @@ class TrainStep:
             self._admit(shape + count)
             return (*self._run(data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), shape[0] * shape[1])
         cu, cu_padded = packed_boundaries(lengths, self.options.pad_to_multiple)
-        layout = PackedLayout.build(cu, cu_padded, grid=grid, device=device, context_parallel_group=self.groups.cp)
+        layout = PackedLayout.build(cu, cu_padded, grid=grid, device=device, parallel=self.groups)
         data = layout.pad_data(micro)
         self._admit((layout.tokens,) + tuple(data["input_ids"].shape) + count)
         return (*self._run(layout, data, g_seqs=g_seqs, g_toks=g_toks, n_micro=n_micro), layout.tokens)
