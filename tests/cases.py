@@ -8,6 +8,7 @@ import functools
 from typing import Any, Callable
 
 import torch
+from tolerances import close
 
 from compiled_loss.loss_functions import (
     ClippedPGLossFn,
@@ -216,7 +217,8 @@ def globals_for(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return sm.sum(), (data["token_mask"][:, 1:] * sm[:, None]).sum()
 
 
-def assert_metrics_close(got: dict, want: dict, rtol=1e-5, atol=1e-6) -> None:
+def assert_metrics_close(got: dict, want: dict, **tol) -> None:
+    """`tol`: `close(dtype, kind)` (`tests/tolerances.py`); a reduction reordered by default."""
     assert sorted(got) == sorted(want)
     for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=rtol, atol=atol, msg=key)
+        torch.testing.assert_close(got[key], want[key], **(tol or close(torch.float32, "reordered")), msg=key)

@@ -3,7 +3,7 @@ against plain torch, over dtypes × shapes × LM heads (dense logits, or the fus
 `LinearLogits`) × views (padded rows, packed sequences). Each case compares the outputs and
 every gradient (the logits', or the hidden states' and the head's). The shapes are odd on
 purpose; the slow tier adds one realistic vocabulary. Tolerances are written once, per
-dtype (`TOLERANCES`)."""
+dtype, in `tests/tolerances.py` (the "vs_torch" kinds)."""
 
 from __future__ import annotations
 
@@ -12,29 +12,13 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import GRID_DTYPES, close
 
 from compiled_loss.loss_functions import NLLLossFn
 from compiled_loss.loss_input import prepare_loss_input, prepare_packed_loss_input
 from compiled_loss.vocab import LinearLogits, vocab_reduce
 from compiled_loss.wrapper import SequencePackingFusionLossWrapper, wrap_loss_fn_with_input_preparation
 
-TOLERANCES = {  # per dtype: outputs, the logits' gradients, the fused head's (the hidden states' and weight's)
-    # fp32: the library's sums run in another order than torch's (over 50257 entries, a gradient entry
-    # differs by up to ~1.2e-6)
-    torch.float32: {
-        "out": dict(rtol=1e-5, atol=1e-5),
-        "grad": dict(rtol=1e-5, atol=4e-6),
-        "fused_grad": dict(rtol=1e-5, atol=4e-6),
-    },
-    # bf16 inputs: both sides reduce the same bf16 logits (the fused head: the same bf16 projection) in fp32,
-    # so the outputs agree as fp32 sums do; a gradient is rounded to bf16 once (2^-8 relative), the fused
-    # head's after a product of bf16 factors too
-    torch.bfloat16: {
-        "out": dict(rtol=1e-4, atol=1e-5),
-        "grad": dict(rtol=4e-3, atol=1e-5),
-        "fused_grad": dict(rtol=1.6e-2, atol=1e-3),
-    },
-}
 HIDDEN = 24  # the fused head's hidden size
 
 
@@ -52,7 +36,7 @@ class Case:
 
 
 def _grid(shapes: list[tuple[int, int, int]]) -> list[Case]:
-    return [Case(*s, d, h) for s in shapes for d in TOLERANCES for h in ("dense", "fused")]
+    return [Case(*s, d, h) for s in shapes for d in GRID_DTYPES for h in ("dense", "fused")]
 
 
 CASES = _grid([(1, 5, 7), (3, 47, 123), (2, 33, 1001)])
@@ -81,9 +65,9 @@ def _inputs(case: Case, seed: int = 0) -> Inputs:
     return Inputs((hidden, weight), F.linear(hidden, weight).float(), LinearLogits(hidden, weight), ids, lengths)
 
 
-def _close(case: Case, got: torch.Tensor, want: torch.Tensor, what: str, kind: str = "out") -> None:
+def _close(case: Case, got: torch.Tensor, want: torch.Tensor, what: str, kind: str = "vs_torch") -> None:
     torch.testing.assert_close(
-        got.float(), want.float(), **TOLERANCES[case.dtype][kind], msg=lambda m: f"{case.id} {what}: {m}"
+        got.float(), want.float(), **close(case.dtype, kind), msg=lambda m: f"{case.id} {what}: {m}"
     )
 
 
@@ -92,7 +76,7 @@ def _same_gradients(case: Case, got: torch.Tensor, want: torch.Tensor, leaves: t
     want_grads = torch.autograd.grad(want, leaves, retain_graph=True)
     for i, (a, b) in enumerate(zip(got_grads, want_grads, strict=True)):
         assert a.dtype == leaves[i].dtype, f"{case.id}: gradient {i} in {a.dtype}, its leaf in {leaves[i].dtype}"
-        _close(case, a, b, f"gradient of leaf {i}", "fused_grad" if case.head == "fused" else "grad")
+        _close(case, a, b, f"gradient of leaf {i}", "fused_vs_torch_grad" if case.head == "fused" else "vs_torch_grad")
 
 
 def _data(inp: Inputs) -> dict[str, torch.Tensor]:

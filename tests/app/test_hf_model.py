@@ -19,6 +19,8 @@ from common import LEARNING_TASK, SMALL_RUN
 
 pytest.importorskip("transformers", reason="model=hf needs transformers: pip install 'compiled_loss[hf]'")
 
+from tolerances import approx, close
+
 from compiled_loss.app import compose_config  # noqa: E402
 from compiled_loss.app.batches import rollout, sample_batch  # noqa: E402
 from compiled_loss.checks import ConfigError  # noqa: E402
@@ -56,7 +58,7 @@ def test_the_logits_are_the_hf_models_own(model_type):
     positions = torch.arange(10).expand(3, 10)
     logits = model(ids, positions, torch.zeros_like(ids))
     assert logits.shape == (3, 10, SIZES["vocab_size"])
-    torch.testing.assert_close(logits, model.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, model.lm(input_ids=ids).logits, **close(torch.float32, "forward"))
     assert model.training and not model.lm.training  # dropout stays off while the wrapper trains
 
 
@@ -75,7 +77,7 @@ def test_packed_sequences_each_see_only_themselves(model_type):
     for sequence in sequences:
         n = len(sequence)
         alone = model(sequence[None], torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long))[0]
-        torch.testing.assert_close(packed[start : start + n], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[start : start + n], alone, **close(torch.float32, "forward"))
         start += n
 
 
@@ -86,7 +88,9 @@ def test_linear_logits_are_the_dense_logits_factors():
     factors = model(ids, positions, segments, linear_logits=True)
     assert factors.weight is model.lm.lm_head.weight
     dense = model(ids, positions, segments)
-    torch.testing.assert_close(F.linear(factors.hidden, factors.weight, factors.bias), dense, rtol=0, atol=0)
+    torch.testing.assert_close(
+        F.linear(factors.hidden, factors.weight, factors.bias), dense, **close(torch.float32, "exact")
+    )
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
@@ -107,7 +111,7 @@ def _check_generation(model: HFCausalLM) -> None:
         for r, row in enumerate(rows):
             n = len(row)
             expected = model(torch.tensor([row]), torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long))[0, -1]
-            torch.testing.assert_close(logits[r], expected, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(logits[r], expected, **close(torch.float32, "decode"))
         tokens = logits.argmax(-1)
         for r, row in enumerate(rows):
             row.append(int(tokens[r]))
@@ -153,9 +157,9 @@ def test_every_supported_architecture_gives_the_models_own_logits(model_type, mo
         ids = _ids(2, 7)
         args = (ids, torch.arange(7).expand(2, 7), torch.zeros_like(ids))
         dense = model(*args)
-        torch.testing.assert_close(dense, model.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(dense, model.lm(input_ids=ids).logits, **close(torch.float32, "forward"))
         factors = model(*args, linear_logits=True)
-        torch.testing.assert_close(factors.logits(), dense, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(factors.logits(), dense, **close(torch.float32, "fused"))
         _check_generation(model)
 
 
@@ -173,7 +177,7 @@ def test_a_checkpoints_logit_scaling_is_applied(tmp_path):
     ids = _ids(2, 7)
     with torch.no_grad():
         ours = loaded(ids, torch.arange(7).expand(2, 7), torch.zeros_like(ids))
-        torch.testing.assert_close(ours, loaded.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, loaded.lm(input_ids=ids).logits, **close(torch.float32, "forward"))
 
 
 def test_local_weights_load_and_are_checked(tmp_path):
@@ -182,7 +186,7 @@ def test_local_weights_load_and_are_checked(tmp_path):
     loaded = HFCausalLM(ModelConfig(**SIZES, hf_path=str(tmp_path / "weights")))
     ids = _ids(2, 7)
     args = (ids, torch.arange(7).expand(2, 7), torch.zeros_like(ids))
-    torch.testing.assert_close(loaded(*args), model(*args), rtol=0, atol=0)
+    torch.testing.assert_close(loaded(*args), model(*args), **close(torch.float32, "exact"))
     with pytest.raises(ConfigError, match=r"model.hf_path=.*has a vocabulary of 32 tokens, model.vocab_size=40: set"):
         HFCausalLM(ModelConfig(**{**SIZES, "vocab_size": 40}, hf_path=str(tmp_path / "weights")))
     with pytest.raises(ConfigError, match=r"model.hf_path=.*missing: no such directory of a transformers model"):
@@ -235,11 +239,11 @@ def _assert_same_step(a, b) -> None:
     (metrics, grads), (other_metrics, other_grads) = a, b
     assert sorted(other_metrics) == sorted(metrics)
     for key, value in metrics.items():
-        assert other_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+        assert other_metrics[key] == approx(value, torch.float32, "fused", nan_ok=True), key
     assert sorted(other_grads) == sorted(grads)
     for name, g in grads.items():
         assert g.abs().sum() > 0 or name.endswith("bias"), f"{name} has no gradient"
-        torch.testing.assert_close(other_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(other_grads[name], g, **close(torch.float32, "accumulated"), msg=name)
 
 
 def test_packed_and_padded_steps_agree():
@@ -316,7 +320,7 @@ def test_tensor_parallel_steps_equal_the_single_process_ones(tmp_path):
     assert [s["phase"] for s in sharded] == [s["phase"] for s in single] == ["sft", "clipped_pg"]
     for a, b in zip(single, sharded):
         for key in ("loss", "grad_norm", "reward"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+            assert b[key] == approx(a[key], torch.float32, "parallel"), key
 
 
 @pytest.mark.slow

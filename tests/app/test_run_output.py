@@ -17,6 +17,7 @@ import types
 
 import pytest
 from common import TINY_TASK
+from tolerances import F32, approx
 
 from compiled_loss.app import compose_config
 from compiled_loss.app.curves import read_metrics
@@ -163,7 +164,7 @@ def test_a_run_with_tensorboard_writes_the_scalars_of_metrics_jsonl(tmp_path):
         ran = [r for r in records if r["phase"] == phase]
         for key in ("loss", "reward", "grad_norm", "tokens_per_s"):
             assert [(e.step, e.value) for e in written.Scalars(f"{phase}/{key}")] == [
-                (r["step"], pytest.approx(r[key], rel=1e-6)) for r in ran
+                (r["step"], approx(r[key], F32, "logged")) for r in ran
             ], key
 
 

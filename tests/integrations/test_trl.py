@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import close
 
 trl = pytest.importorskip("trl", reason="the [hf] extra")
 transformers = pytest.importorskip("transformers", reason="the [hf] extra")
@@ -127,16 +128,16 @@ def test_grpo_trainer_swap_gives_trls_loss_and_gradients(tmp_path, architecture)
 
     ours, theirs, grads, their_grads, transformed = checks[0]
     assert transformed == (architecture != "llama")
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours, theirs, **close(torch.float32, "reordered"))
     assert any(g.abs().max() > 0 for g in their_grads)
     for g, their_g in zip(grads, their_grads):
-        torch.testing.assert_close(g, their_g, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g, their_g, **close(torch.float32, "reordered"))
     norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs])) for gs in checks[0][2:4]]
     print(f"{architecture}: grad norm {float(norms[0]):.4g} (TRL's {float(norms[1]):.4g})")
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 3
     assert all("kl" in h and "clip_ratio/region_mean" in h for h in logged)
-    assert abs(logged[0]["kl"]) < 1e-6  # step 1: the policy is the reference
+    assert abs(logged[0]["kl"]) < close(torch.float32, "reordered")["atol"]  # step 1: the policy is the reference
 
 
 def test_a_head_transform_that_cannot_be_described_is_refused_naming_the_model_type(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_on_ranks
+from tolerances import close
 
 from compiled_loss.checks import ConfigError
 from compiled_loss.interfaces import LossInputType, MetricNormalizer
@@ -74,10 +75,10 @@ def test_reverse_kl_value_gradient_and_metrics(token_level):
         want = (kl * mask).sum() / gt
     else:
         want = (((kl * tm).sum(-1) / tm.sum(-1)) * sm).sum() / gs
-    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss.double(), want, **close(torch.float32, "same"))
     (grad,) = torch.autograd.grad(loss, logits)
     (want_grad,) = torch.autograd.grad(want, logits)
-    torch.testing.assert_close(grad.double(), want_grad.double(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad.double(), want_grad.double(), **close(torch.float32, "reordered"))
     valid = kl[mask > 0]
     expected = {
         "opd_full_reverse_kl": (kl * mask).sum() / gt,
@@ -89,8 +90,8 @@ def test_reverse_kl_value_gradient_and_metrics(token_level):
         "kl_penalty": torch.tensor(0.0, dtype=torch.float64),
     }
     for key, value in expected.items():
-        torch.testing.assert_close(metrics[key].double(), value, rtol=1e-5, atol=1e-6, msg=key)
-    assert 0 <= metrics["opd_full_decomposition_error"] < 1e-5
+        torch.testing.assert_close(metrics[key].double(), value, **close(torch.float32, "reordered"), msg=key)
+    assert 0 <= metrics["opd_full_decomposition_error"] < close(torch.float32, "reordered")["atol"]
     assert set(metrics) == set(expected) | {"loss", "opd_full_decomposition_error"}
     grad_norm = "TOKENS" if token_level else "SEQUENCES"
     assert loss_fn.metric_normalizations == {
@@ -120,11 +121,11 @@ def test_sampled_reference_kl_with_score_function_weights():
     gt = _globals(data)[1]
     ref_kl = beta * (k3.clamp(-10, 10) * mask).sum() / gt
     want = (kl * mask).sum() / gt + ref_kl
-    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(metrics["kl_penalty"].double(), ref_kl / beta, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss.double(), want, **close(torch.float32, "same"))
+    torch.testing.assert_close(metrics["kl_penalty"].double(), ref_kl / beta, **close(torch.float32, "reordered"))
     (grad,) = torch.autograd.grad(loss, logits)
     (want_grad,) = torch.autograd.grad(want, logits)
-    torch.testing.assert_close(grad.double(), want_grad.double(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad.double(), want_grad.double(), **close(torch.float32, "reordered"))
 
 
 def test_hidden_state_payload_routed_per_teacher():
@@ -139,7 +140,7 @@ def test_hidden_state_payload_routed_per_teacher():
     teacher = torch.stack([hidden[i] @ heads[int(index[i])].T if i < 2 else torch.zeros(S, V) for i in range(B)])
     kl, _, _ = _per_token(logits, teacher)
     mask = data["token_mask"][:, 1:].double() * data["sample_mask"].double()[:, None]
-    torch.testing.assert_close(loss.double(), (kl * mask).sum() / _globals(data)[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss.double(), (kl * mask).sum() / _globals(data)[1], **close(torch.float32, "same"))
     data[OPD_FULL_TEACHER_INDEX_FIELD] = torch.tensor([9, 7, 4])  # a valid row names no loaded head
     with pytest.raises(ValueError, match="teacher_index names teacher 7 but no teacher LM head is loaded"):
         _run(loss_fn, logits, data, teacher_output_layer_weight_by_index=heads)

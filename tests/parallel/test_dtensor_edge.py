@@ -21,6 +21,7 @@ import pytest
 import torch
 from cases import CASE_BY_NAME, boundaries, globals_for, make_batch
 from ranks import run_on_ranks
+from tolerances import close
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -35,7 +36,7 @@ from compiled_loss.wrapper import SequencePackingFusionLossWrapper, wrap_loss_fn
 pytestmark = pytest.mark.slow  # spawns gloo ranks
 
 LENGTHS, PADS, WIDTH = [6, 3, 8, 2], [2, 1, 0, 2], 8
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = close(torch.float32, "parallel")
 UNEVEN = 7  # the vocabulary of the uneven cases: 4 + 3 ids
 
 
@@ -54,7 +55,7 @@ def _check(got, want, grad, want_grad, label):
         torch.testing.assert_close(
             metrics[key].float(), want_metrics[key].float(), **TOL, msg=lambda m: f"{label} {key}"
         )
-    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} grad: {m}")
+    torch.testing.assert_close(grad, want_grad, **close(torch.float32, "parallel"), msg=lambda m: f"{label} grad: {m}")
 
 
 def _uneven_and_replicated(rank: int, world: int) -> list[str]:
@@ -91,7 +92,7 @@ def _uneven_and_replicated(rank: int, world: int) -> list[str]:
     d2t = torch.tensor([0, 1, 1, 1, 1, 1])  # target ids 0, 2, 3, 4, 5, 6
     mapped = map_teacher_logits_to_draft_vocab(distribute_tensor(full, mesh, [Shard(2)]), d2t)
     want = map_teacher_logits_to_draft_vocab(full, d2t)[..., 3 * rank : 3 * rank + 3]
-    torch.testing.assert_close(mapped, want, rtol=0, atol=0)
+    torch.testing.assert_close(mapped, want, **close(torch.float32, "exact"))
     # packed, through a wrapper given no group: the [1, T, V] packed logits sharded unevenly
     packed = torch.randn(1, cup[-1], UNEVEN, generator=torch.Generator().manual_seed(23))
     wrapper = SequencePackingFusionLossWrapper(case.make_loss(), case.prepare(True), cu, cup)
@@ -143,7 +144,9 @@ def _linear_head(rank: int, world: int) -> list[str]:
         label = f"V={vocab} bias={with_bias}"
         _check(got, want, grads[0], want_grads[0], f"{label} hidden")
         for name, a, b in zip(("weight", "bias"), grads[1:], want_grads[1:]):
-            torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{label} {n}")
+            torch.testing.assert_close(
+                a.full_tensor(), b, **close(torch.float32, "parallel"), msg=lambda m, n=name: f"{label} {n}"
+            )
         checked.append(label)
     return checked
 

@@ -17,9 +17,9 @@ from ranks import run_on_ranks
 from compiled_loss.loss_functions import NLLLossFn
 from compiled_loss.loss_input import prepare_loss_input, prepare_packed_loss_input
 from compiled_loss.packing.context import ContextShards
+from compiled_loss.utils import map_teacher_logits_to_draft_vocab
 from compiled_loss.vocab import (
     LinearLogits,
-    map_teacher_logits_to_draft_vocab,
     reverse_kl,
     sampling_threshold,
     token_logprobs,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from cases import CASE_BY_NAME, TEACHER_HEADS, boundaries, globals_for, make_batch, pack_logits
 from ranks import context_local, run_on_ranks, tp_cp_groups
+from tolerances import close
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -47,7 +48,7 @@ LOSSES = [
 WRAPPERS = ["unpacked", "per_sequence", "fused", "draft_packed", "draft_unpacked"]
 LENGTHS, PADS, WIDTH = [6, 3, 8, 2], [2, 1, 0, 2], 8  # padded lengths 8, 4, 8, 4: multiples of 2·cp
 D2T = torch.tensor([0, 1, 1, 3, 5, 5, 6, 8])  # an 8-id draft vocabulary
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = close(torch.float32, "parallel")
 # compiled (aot_eager, fullgraph) at (tp, cp) = (2, 2): one case of each pattern of collectives — every
 # wrapper with top-k/top-p GRPO (log-probs, thresholds, draft vocab), top-k distillation (vocab_topk over
 # the shards), OPD_FULL from teacher logits and from teacher hidden states; NLL, DPO and the value loss
@@ -179,7 +180,7 @@ def _on_ranks(rank: int, world: int, tp: int, cp: int, dtensor: bool = False):
                             **TOL,
                             msg=lambda m, k=key: f"metric {k}: {m}",
                         )
-                    torch.testing.assert_close(grad, want_local_grad, rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(grad, want_local_grad, **close(torch.float32, "parallel"))
                 except AssertionError as e:
                     report.append(
                         f"{label}: {str(e).splitlines()[0]} | {[ln for ln in str(e).splitlines() if 'metric' in ln][:1]}"

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from reliability.oracle import hyp
+from tolerances import close
 
 from compiled_loss.integrations import (
     FusedLinearCrossEntropyLoss,
@@ -41,7 +42,11 @@ from compiled_loss.integrations import (
 
 liger = pytest.importorskip("liger_kernel.chunked_loss", reason="the peer: pip install --no-deps liger-kernel==0.8.5")
 
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "mixed": 2e-2}
+TOLERANCE = {  # relative, and absolute in units of the compared values' scale
+    "fp32": close(torch.float32, "reordered")["rtol"],
+    "bf16": close(torch.bfloat16, "reordered")["rtol"],
+    "mixed": close(torch.bfloat16, "reordered")["rtol"],
+}
 """rtol, and atol as a fraction of each compared tensor's largest finite entry (at least 1)."""
 
 LOG_RATIOS = torch.tensor([0.0, 0.05, -0.05, 0.5, -0.5])

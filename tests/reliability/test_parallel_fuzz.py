@@ -33,6 +33,7 @@ from reliability.oracle import (
     make_logits,
     packings,
 )
+from tolerances import close
 
 from compiled_loss.wrapper import wrap_loss_fn_with_input_preparation
 
@@ -42,7 +43,7 @@ EXAMPLES = {"pg": 10, "nll": 4, "dpo": 4, "distill": 4, "mse": 4}
 CONFIGS = [(2, 1), (1, 2), (2, 2)]  # (tp, cp) on 4 ranks: rank = cp_rank · tp + tp_rank (+ 2 per replica)
 WIDTH = 12  # the vocabulary: even, above the data's ids
 MULTIPLE = 4  # 2 · cp
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = close(torch.float32, "parallel")
 
 
 def _for_context_parallelism(packing: Packing) -> Packing:

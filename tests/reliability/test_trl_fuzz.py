@@ -30,13 +30,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from reliability.oracle import hyp
+from tolerances import close
 
 trl = pytest.importorskip("trl", reason="the [hf] extra")
 datasets = pytest.importorskip("datasets", reason="the [hf] extra")
 
 from integrations.test_trl import ARCHITECTURES, CHARS, _distinct_characters, _tiny_model  # noqa: E402
 
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+TOLERANCE = {  # relative, and absolute in units of the compared values' scale
+    "fp32": close(torch.float32, "reordered")["rtol"],
+    "bf16": close(torch.bfloat16, "reordered")["rtol"],
+}
 """rtol, and atol as a fraction of each compared tensor's largest entry (at least 1)."""
 
 LOG_RATIOS = torch.tensor([0.0, 0.05, -0.05, 0.5, -0.5])

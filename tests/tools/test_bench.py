@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tolerances import F32, close
 
 pytestmark = pytest.mark.slow  # runs the benchmark
 
@@ -69,8 +70,9 @@ def test_quick_run_writes_consistent_csv(tmp_path: Path) -> None:
     for direction in ("fwd", "fwd+bwd"):
         a, b, c = (float(loss[v, direction]) for v in ("a_loop", "b_eager", "c_compiled"))
         assert math.isfinite(b) and b != 0
-        assert abs(a - b) <= 1e-4 * abs(b)
-        assert abs(c - b) <= 1e-4 * abs(b)
+        rtol = close(F32, "accumulated")["rtol"]  # sums over a 2048-entry vocabulary in another order
+        assert abs(a - b) <= rtol * abs(b)
+        assert abs(c - b) <= rtol * abs(b)
     assert loss["d_proxy", "fwd"] == loss["lp_compiled", "fwd"] == ""
     assert math.isfinite(float(loss["c_topp", "fwd"])) and loss["c_topp", "fwd"] != loss["c_compiled", "fwd"]
     assert (tmp_path / "bench.png").exists() == (importlib.util.find_spec("matplotlib") is not None)

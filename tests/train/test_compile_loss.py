@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from cases import CASE_BY_NAME, assert_metrics_close, boundaries, globals_for, make_batch, pack_logits
+from tolerances import close
 
 import compiled_loss.compile
 import compiled_loss.train
@@ -46,9 +47,9 @@ def _compiled_over_buckets(fn, recorder):
     for seed, packing in enumerate(_packings(0)):
         got = _run(fn, *packing, seed)
         want = _run(_call, *packing, seed)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[0], want[0], **close(torch.float32, "compiled"))
         assert_metrics_close(got[1], want[1])
-        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got[2], want[2], **close(torch.float32, "compiled"))
     return recorder.report
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import CASES, VOCAB, assert_metrics_close, boundaries, globals_for, make_batch
+from tolerances import close
 
 from compiled_loss.packing import BucketGrid
 from compiled_loss.vocab import LinearLogits
@@ -43,10 +44,10 @@ def _results(call, logits_fn, params):
 
 
 def _assert_same(got, want):
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    assert_metrics_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], want[0], **close(torch.float32, "fused"))
+    assert_metrics_close(got[1], want[1], **close(torch.float32, "fused"))
     for a, c in zip(got[2], want[2]):
-        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, c, **close(torch.float32, "fused"))
 
 
 def _call(case, packed: bool, h):

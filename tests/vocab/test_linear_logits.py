@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 from cases import CASES, VOCAB, assert_metrics_close, boundaries, globals_for, make_batch
+from tolerances import close
 
 from compiled_loss.loss_functions import MseValueLossFn, NLLLossFn
 from compiled_loss.loss_input import prepare_loss_input, prepare_packed_loss_input
@@ -49,11 +50,11 @@ def _loss_and_grads(call, logits, params):
     return loss, metrics, torch.autograd.grad(loss, params)
 
 
-def _assert_same(got, want, rtol=1e-5, atol=1e-5):
-    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
-    assert_metrics_close(got[1], want[1], rtol=rtol, atol=atol)
+def _assert_same(got, want):
+    torch.testing.assert_close(got[0], want[0], **close(torch.float32, "fused"))
+    assert_metrics_close(got[1], want[1], **close(torch.float32, "fused"))
     for a, b in zip(got[2], want[2]):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+        torch.testing.assert_close(a, b, **close(torch.float32, "fused_grad"))
 
 
 @pytest.mark.parametrize("wrapper", ["unpacked", "per_sequence", "fused"])
@@ -103,9 +104,9 @@ def test_bf16_stays_within_the_documented_tolerance():
 
     want = _loss_and_grads(call, torch.nn.functional.linear(h, w, b), (h, w, b))
     got = _loss_and_grads(call, LinearLogits(h, w, b), (h, w, b))
-    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(got[0], want[0], **close(torch.bfloat16, "fused"))
     for a, c in zip(got[2], want[2]):
-        torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a.float(), c.float(), **close(torch.bfloat16, "fused_grad"))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
@@ -273,7 +274,7 @@ def test_one_graph_when_compiled_and_when_passed_into_a_compiled_loss():
     torch.testing.assert_close(got_inside, want)
     torch.testing.assert_close(got_handed, want)
     for g_want, g_got in zip(torch.autograd.grad(want, (h, w, b)), torch.autograd.grad(got_handed, (h, w, b))):
-        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_got, g_want, **close(torch.float32, "compiled"))
 
 
 @pytest.mark.parametrize("wrapper", ["unpacked", "fused"])
@@ -312,10 +313,10 @@ def test_autocast_mixed_dtypes_equal_the_dense_path(wrapper):
         results[name] = loss, metrics, torch.autograd.grad(loss, (h, w, b))
     want, got = results["dense"], results["linear"]
     assert [g.dtype for g in got[2]] == [g.dtype for g in want[2]] == [torch.bfloat16, torch.float32, torch.float32]
-    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-4)
-    assert_metrics_close(got[1], want[1], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(got[0], want[0], **close(torch.bfloat16, "fused"))
+    assert_metrics_close(got[1], want[1], **close(torch.bfloat16, "fused"))
     for a, c in zip(got[2], want[2]):
-        torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a.float(), c.float(), **close(torch.bfloat16, "fused_grad"))
 
 
 def test_mixed_dtypes_outside_autocast_are_refused_as_linear_refuses_them():
