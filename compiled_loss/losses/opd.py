@@ -116,21 +116,11 @@ def opd_full_normalizations(opd: OPDFullConfig, token_level: bool) -> dict[str, 
     return {**normalizations(TOKENS=tokens, NONE=none), **normalizations(**{grad: ("loss", KL_PENALTY_KEY)})}
 
 
-def opd_full_objective(
-    cfg: Any,
-    opd: OPDFullConfig,
-    beta: float,
-    data: OpdFullData,
-    g_seqs: Tensor | None,
-    g_toks: Tensor | None,
-    inputs: Mapping[str, Tensor | None],
-    next_token_logprobs: Tensor | None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss = the reverse KL reduced like the loss (token or sequence level) + the optional
-    sampled reference KL `β · KL(π ‖ π_ref)` with score-function weights `exp(lp - lp.detach())`;
-    metrics per ref §4.1.8 (min / max with ±inf sentinels). `cfg`: the `ClippedPGLossConfig`;
-    `inputs`: the OPD_FULL inputs by name."""
-    who = "ClippedPGLossFn(opd_full)"
+def _checked_inputs(
+    opd: OPDFullConfig, data: OpdFullData, inputs: Mapping[str, Tensor | None], who: str
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The divergence, entropy and cross-entropy inputs `[B, S-1]`, each of the batch's shape;
+    the last two where the config reports them."""
     divergence = inputs.get("opd_full_divergence")
     if divergence is None:
         raise ValueError(f"{who}: opd_full_divergence ([B, S-1]) is required")
@@ -151,6 +141,25 @@ def opd_full_objective(
     ):
         if needed and value is None:
             raise ValueError(f"{who}: the config reports {name}; the input preparation must pass it")
+    return divergence, entropy, cross_entropy
+
+
+def opd_full_objective(
+    cfg: Any,
+    opd: OPDFullConfig,
+    beta: float,
+    data: OpdFullData,
+    g_seqs: Tensor | None,
+    g_toks: Tensor | None,
+    inputs: Mapping[str, Tensor | None],
+    next_token_logprobs: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss = the reverse KL reduced like the loss (token or sequence level) + the optional
+    sampled reference KL `β · KL(π ‖ π_ref)` with score-function weights `exp(lp - lp.detach())`;
+    metrics per ref §4.1.8 (min / max with ±inf sentinels). `cfg`: the `ClippedPGLossConfig`;
+    `inputs`: the OPD_FULL inputs by name."""
+    who = "ClippedPGLossFn(opd_full)"
+    divergence, entropy, cross_entropy = _checked_inputs(opd, data, inputs, who)
     tm, sm = float_masks(data, divergence.dtype)
     mask = tm * sm[:, None]
     (divergence,) = zero_outside(mask, divergence)
