@@ -8,6 +8,7 @@ import ast
 import importlib
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,13 @@ def test_edge_names_resolve_where_they_were_exported():
             assert getattr(module, name) is getattr(importlib.import_module(f"compiled_loss.nemo_rl.{edge}"), name)
     with pytest.raises(AttributeError, match="module 'compiled_loss.vocab' has no attribute 'nothing'"):
         importlib.import_module("compiled_loss.vocab").nothing
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject.toml lists the packages the wheel holds: every package of the source tree."""
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"compiled_loss." + ".".join(p.parent.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert sorted({name.rstrip(".") for name in found} - listed) == []
 
 
 def test_the_demo_room_holds_models_and_data_only():

@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as Dynamo guards on it
 class SeedPrepare:
     """A seed `prepare_fn` as a `Prepare`: called with the seed's keywords (the groups the
     logits are sharded over, this rank's rank in the vocabulary group) — of the
