@@ -115,40 +115,33 @@ def model_logprobs(
     return torch.nn.functional.pad(lp, (1, 0))
 
 
-class _Outputs:
-    """`ModelOutputs` of one batch: the models' outputs a loss kind's `fill` reads, each taken
-    when read."""
-
-    def __init__(self, ids: Tensor, batch: dict[str, Tensor], kind: LossKind, models: RolloutModels) -> None:
-        self.ids, self.batch, self.kind, self.models, self.topk = ids, batch, kind, models, models.topk
-
-    def policy_logprobs(self) -> Tensor:
-        sampling = self.models.sampling
-        prev = model_logprobs(self.models.policy, self.ids, sampling)
-        return mask_out_neg_inf_logprobs(prev, self.batch["token_mask"]) if sampling else prev
-
-    def reference_logprobs(self) -> Tensor:
-        return model_logprobs(self.models.reference, self.ids, self.models.sampling, filtered=False)
-
-    def teacher_logits(self) -> Tensor:
-        if self.models.teacher is None:
-            raise ValueError(f"rollout(family={self.kind.family!r}) needs a teacher model")
-        return _forward(self.models.teacher, self.ids)
-
-    def policy_outputs(self) -> Tensor:
-        return _forward(self.models.policy, self.ids)
-
-
 @dataclasses.dataclass(frozen=True)
-class RolloutModels:
-    """What `rollout` annotates with: the policy, the frozen reference, the teacher (of a kind
-    that reads one), the teacher's top-k and the run's `logprob` config."""
+class _Outputs:
+    """`ModelOutputs` of one batch for `rollout`: the models' outputs a loss kind's `fill`
+    reads, each taken when read."""
 
+    batch: dict[str, Tensor]
+    kind: LossKind
     policy: torch.nn.Module
     reference: torch.nn.Module
-    teacher: torch.nn.Module | None = None
-    topk: int = 16
-    sampling: LogprobConfig | None = None
+    teacher: torch.nn.Module | None
+    topk: int
+    sampling: LogprobConfig | None
+
+    def policy_logprobs(self) -> Tensor:
+        prev = model_logprobs(self.policy, self.batch["input_ids"], self.sampling)
+        return mask_out_neg_inf_logprobs(prev, self.batch["token_mask"]) if self.sampling else prev
+
+    def reference_logprobs(self) -> Tensor:
+        return model_logprobs(self.reference, self.batch["input_ids"], self.sampling, filtered=False)
+
+    def teacher_logits(self) -> Tensor:
+        if self.teacher is None:
+            raise ValueError(f"rollout(family={self.kind.family!r}) needs a teacher model")
+        return _forward(self.teacher, self.batch["input_ids"])
+
+    def policy_outputs(self) -> Tensor:
+        return _forward(self.policy, self.batch["input_ids"])
 
 
 def rollout(
@@ -172,8 +165,7 @@ def rollout(
     kind = family if isinstance(family, LossKind) else LOSS_FAMILIES.get(family)
     if kind is None:
         raise ValueError(f"unknown loss family {family!r}")
-    models = RolloutModels(policy, reference, teacher, topk, sampling)
-    return kind.fill(batch, _Outputs(batch["input_ids"], batch, kind, models))
+    return kind.fill(batch, _Outputs(batch, kind, policy, reference, teacher, topk, sampling))
 
 
 @torch.no_grad()

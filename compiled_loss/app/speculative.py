@@ -232,9 +232,9 @@ class SpeculativeSampler:
             carry, got, was_alive = self._round(self.policy, self.runtime, carry, uniforms)
             gained.append(got)
             rounds.append(was_alive)
-        tokens_nr = carry.tokens[:, : self.response_len].cpu()
-        logprobs_nr = carry.logprobs[:, : self.response_len].cpu()
+        tokens_nr = carry.tokens[:, : self.response_len].cpu()  # host
+        logprobs_nr = carry.logprobs[:, : self.response_len].cpu()  # host
         check_finite(logprobs_nr, step)
-        lengths = carry.filled.cpu()
+        lengths = carry.filled.cpu()  # host
         counts = [int(torch.stack(c).sum()) for c in (gained, rounds)] if gained else [0, 0]  # host
         return SpeculativeSamples(tokens_nr, logprobs_nr, lengths, *counts)

@@ -38,13 +38,21 @@ class _Outputs:
 
 
 @pytest.mark.parametrize("name", [cls().name for cls in LOSS_KINDS])
-def test_a_kind_fills_keys_its_loss_reads(name):
+def test_a_kind_fills_the_keys_its_loss_reads(name):
     cfg = compose_config(f"loss={name}")
     kind = loss_kind(cfg.loss)
     batch = sample_batch(cfg.data, cfg.model.vocab_size, random.Random(0), pairs=kind.pairs, clean=kind.clean)
     filled = kind.fill(batch, _Outputs(batch["input_ids"], cfg.model.vocab_size))
-    keys = set(typing.get_type_hints(InputSpec.of(cfg.loss_fn).data))
-    assert set(filled) - set(batch) <= keys and set(batch) <= set(filled)
+    spec = InputSpec.of(cfg.loss_fn)
+    hints = typing.get_type_hints(spec.data, include_extras=True)
+    assert set(filled) - set(batch) <= set(hints)  # nothing the loss does not read
+    assert set(batch) <= set(filled)  # the rows' own keys kept
+    required = {key for key, hint in hints.items() if typing.get_origin(hint) is not typing.NotRequired}
+    if kind.reward_shift:  # the driver's running mean, added per batch
+        required.discard("reward_shift")
+    if spec.opd_full is not None:  # read by the policy-gradient objective only
+        required.discard("generation_logprobs")
+    assert sorted(required - set(filled)) == []  # every key the loss requires, with the rows' own
 
 
 def test_the_audit_lists_come_from_the_registry():
