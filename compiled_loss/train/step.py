@@ -47,7 +47,6 @@ their own.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -198,46 +197,71 @@ def _padded_logits(model, data, *, temperature, cp, linear_logits=False, aux_lay
     return (logits / temperature if temperature != 1.0 else logits), batch
 
 
-def _loss(logits, *inputs, prepare, per_sequence, parallel):
-    """The micro-batch entry point on one of the step's micro-batches: `inputs` is
-    `(data, g_seqs, g_toks)` for padded rows, `(layout, data, g_seqs, g_toks)` packed."""
-    *layout, data, g_seqs, g_toks = inputs
-    return micro_batch_loss(
-        logits,
-        data,
-        g_seqs,
-        g_toks,
-        prepare=prepare,
-        layout=layout[0] if layout else None,
-        per_sequence=per_sequence,
-        parallel=parallel,
-    )
+@dataclasses.dataclass(frozen=True, eq=False)
+class MicroBatchGraph:
+    """What one micro-batch's compiled graph runs, with the step's settings as fields: the
+    model forward (`logits`), the micro-batch entry point (`loss`) and the drafter's loss
+    (`with_draft`). `model_and_loss` is the graph of a single-process step, `loss_and_draft`
+    (or `loss`) the one of a parallel step whose model runs apart. Methods of one object,
+    not nested `functools.partial`s: Dynamo's precompile cache (`TORCH_CACHING_PRECOMPILE`)
+    names the function it compiles by its `__qualname__`, which a partial lacks."""
 
+    packed: bool
+    """Packed `[1, T_b]` micro-batches (`_packed_logits`), else padded rows (`_padded_logits`)."""
+    temperature: float
+    prepare: Preparation
+    per_sequence: bool
+    parallel: ParallelGroups
+    linear_logits: bool = False
+    draft_runtime: DraftRuntimeBase | None = None
 
-def _with_draft(loss, metrics, batch: DraftBatch, n_slots: int, *, runtime, tp=None):
-    """The policy loss plus the drafter's (on the full vocabulary: a TP rank's teacher shard
-    is all-gathered; every TP / CP rank of a replica computes the same draft loss), whose
-    per-micro-batch normalisation is shared by the `n_slots` micro-batches of the step."""
-    if group_size(tp) > 1:
-        teacher = all_gather(batch.teacher_logits, tp).movedim(0, -2).flatten(-2)
-        batch = dataclasses.replace(batch, teacher_logits=teacher)
-    draft, draft_metrics = runtime.draft_loss(batch, n_slots)
-    loss, metrics = with_draft_loss(loss, metrics, draft, runtime.loss_weight)
-    return loss, {**metrics, **draft_metrics}
+    def logits(self, model, *layout_and_data):
+        """The model forward of one micro-batch and the drafter's `DraftBatch` (or None)."""
+        capture: dict[str, Any] = {"linear_logits": self.linear_logits}
+        if self.draft_runtime is not None:
+            capture["aux_layers"] = self.draft_runtime.aux_layers
+        if self.packed:
+            return _packed_logits(model, *layout_and_data, temperature=self.temperature, **capture)
+        return _padded_logits(model, *layout_and_data, temperature=self.temperature, cp=self.parallel.cp, **capture)
 
+    def loss(self, logits, *inputs):
+        """The micro-batch entry point on one of the step's micro-batches: `inputs` is
+        `(data, g_seqs, g_toks)` for padded rows, `(layout, data, g_seqs, g_toks)` packed."""
+        *layout, data, g_seqs, g_toks = inputs
+        return micro_batch_loss(
+            logits,
+            data,
+            g_seqs,
+            g_toks,
+            prepare=self.prepare,
+            layout=layout[0] if layout else None,
+            per_sequence=self.per_sequence,
+            parallel=self.parallel,
+        )
 
-def _model_and_loss(model, *inputs, logits_fn, loss_fn, draft=None, n_slots=None):
-    """The model forward, the loss and the drafter's loss of one micro-batch: one compiled graph."""
-    *layout_and_data, g_seqs, g_toks = inputs
-    logits, batch = logits_fn(model, *layout_and_data)
-    loss, metrics = loss_fn(logits, *layout_and_data, g_seqs, g_toks)
-    return (loss, metrics) if draft is None else draft(loss, metrics, batch, n_slots)
+    def with_draft(self, loss, metrics, batch: DraftBatch, n_slots: int):
+        """The policy loss plus the drafter's (on the full vocabulary: a TP rank's teacher
+        shard is all-gathered; every TP / CP rank of a replica computes the same draft loss),
+        whose per-micro-batch normalisation is shared by the `n_slots` micro-batches of the step."""
+        runtime, tp = self.draft_runtime, self.parallel.tp
+        if group_size(tp) > 1:
+            teacher = all_gather(batch.teacher_logits, tp).movedim(0, -2).flatten(-2)
+            batch = dataclasses.replace(batch, teacher_logits=teacher)
+        draft, draft_metrics = runtime.draft_loss(batch, n_slots)
+        loss, metrics = with_draft_loss(loss, metrics, draft, runtime.loss_weight)
+        return loss, {**metrics, **draft_metrics}
 
+    def model_and_loss(self, model, *inputs, n_slots=None):
+        """The model forward, the loss and the drafter's loss of one micro-batch: one compiled graph."""
+        *layout_and_data, g_seqs, g_toks = inputs
+        logits, batch = self.logits(model, *layout_and_data)
+        loss, metrics = self.loss(logits, *layout_and_data, g_seqs, g_toks)
+        return (loss, metrics) if self.draft_runtime is None else self.with_draft(loss, metrics, batch, n_slots)
 
-def _loss_and_draft(logits, batch, *inputs, loss_fn, draft, n_slots):
-    """The loss and the drafter's loss of one micro-batch, the model having run apart."""
-    loss, metrics = loss_fn(logits, *inputs)
-    return draft(loss, metrics, batch, n_slots)
+    def loss_and_draft(self, logits, batch, *inputs, n_slots):
+        """The loss and the drafter's loss of one micro-batch, the model having run apart."""
+        loss, metrics = self.loss(logits, *inputs)
+        return self.with_draft(loss, metrics, batch, n_slots)
 
 
 def split_rows(rows: int, parts: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -336,23 +360,21 @@ class TrainStep:
     ) -> None:
         self.model, self.optimizer, self.loss_fn, self.options = model, optimizer, loss_fn, options
         self.groups, self.draft_runtime, self.global_batch = groups, draft_runtime, -1
-        capture = dict(aux_layers=draft_runtime.aux_layers) if draft_runtime is not None else {}
-        capture["linear_logits"] = options.linear_logits
         spec = InputSpec.of(loss_fn)
         self.loss_scale = gradient_scale(groups.sizes)
         self.pairs = spec.pairs
         self.buckets: set[tuple[int, ...]] = set()
         self._check_bucket_bound()
-        if options.packing == PackingMode.none:
-            self._logits = functools.partial(_padded_logits, temperature=options.temperature, cp=groups.cp, **capture)
-        else:
-            self._logits = functools.partial(_packed_logits, temperature=options.temperature, **capture)
-        loss: Callable[..., Any] = functools.partial(
-            _loss,
+        graph = MicroBatchGraph(
+            packed=options.packing != PackingMode.none,
+            temperature=options.temperature,
             prepare=Preparation(loss_fn, spec, PrepareOptions(groups, options.sampling_params, options.chunk_size)),
             per_sequence=options.packing == PackingMode.per_sequence,
             parallel=groups,
+            linear_logits=options.linear_logits,
+            draft_runtime=draft_runtime,
         )
+        self._logits = graph.logits
         # Parallel runs shard the model with FSDP2 (`shard_model`), whose hooks do not trace:
         # the model runs eagerly around its compiled decoder layers, and the loss compiles alone
         self._model_outside = groups.rank_count > 1
@@ -362,11 +384,11 @@ class TrainStep:
                 "(compiled_loss.train.shard_model(model, groups), or your own fully_shard), got an unsharded "
                 f"{type(model).__name__}"
             )
-        draft = None if draft_runtime is None else functools.partial(_with_draft, runtime=draft_runtime, tp=groups.tp)
+        fn: Callable[..., Any]
         if not self._model_outside:
-            fn = functools.partial(_model_and_loss, logits_fn=self._logits, loss_fn=loss, draft=draft)
+            fn = graph.model_and_loss
         else:
-            fn = loss if draft is None else functools.partial(_loss_and_draft, loss_fn=loss, draft=draft)
+            fn = graph.loss if draft_runtime is None else graph.loss_and_draft
         c = options.compile
         self.recorder = CompileRecorder(c.backend, "train step", c.mode) if c.enabled else None
         # one graph per bucket: Dynamo's recompile limit covers compile.max_buckets, which the

@@ -230,3 +230,18 @@ def test_the_step_validates_each_batch_before_the_compiled_region():
         step(fractional)
     unchecked, _ = _step_and_batch("loss=clipped_pg", "run.validate_inputs=false")
     assert math.isfinite(unchecked(fractional).metrics["loss"])
+
+
+def test_the_step_compiles_a_method_that_dynamos_precompile_cache_can_name():
+    # torch 2.13's precompile cache (TORCH_CACHING_PRECOMPILE=1) keys a compiled function by its
+    # __qualname__ and first line: the step hands torch.compile a method of one object, no
+    # functools.partial (which has no __qualname__)
+    from torch._dynamo.package import CompilePackage
+
+    from compiled_loss.train.step import MicroBatchGraph
+
+    step, _ = _step_and_batch("loss=clipped_pg")
+    compiled = step._compiled
+    assert isinstance(compiled.__self__, MicroBatchGraph)
+    assert compiled.__qualname__ == "MicroBatchGraph.model_and_loss"
+    assert len(CompilePackage.source_id_from_fn(compiled)) == 64
