@@ -27,9 +27,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple, overload
+from typing import Any, NamedTuple, overload
 
 import torch
+from torch._higher_order_ops.scan import scan
 from torch.distributed import ProcessGroup
 
 from compiled_loss.parallel import group_rank
@@ -367,65 +368,18 @@ def linear_vocab_reduce(
         )
 
 
-def _add_weight_grad(grad_weight: Tensor, g: Tensor, h: Tensor) -> None:
-    """`grad_weight += gᵀ h` in place: fp32, from `g` and `h` in the head's dtype."""
-    if h.dtype == torch.float32:
-        grad_weight.addmm_(g.t(), h)
-    else:  # accumulated in fp32
-        grad_weight.add_(g.t() @ h)
-
-
-@torch.library.custom_op("compiled_loss::accumulate_weight_grad", mutates_args=("grad_weight",))
-def _accumulate(grad_weight: Tensor, g: Tensor, h: Tensor) -> Tensor:
-    """`_add_weight_grad` as one opaque operator for compiled code, which returns a zero of
-    `h`'s dtype that the next chunk adds to its rows: a compiled graph then runs each chunk's
-    update before the next chunk's logits exist (the order bounds the memory), and Inductor
-    updates the one fp32 `dW` buffer in place (an addmm into a new buffer keeps the old and
-    the new `dW` alive at once)."""
-    _add_weight_grad(grad_weight, g, h)
-    return h.new_zeros(())
-
-
-@_accumulate.register_fake
-def _(grad_weight: Tensor, g: Tensor, h: Tensor) -> Tensor:
-    return h.new_empty(())
-
-
-class _Objective(NamedTuple):
-    """What `_gradient_chunk` differentiates: `objective` of the statistics of `rows` rows
-    (the first `rows` of `padded`, the chunks' rows with their padding), the head, the group."""
-
-    objective: Callable[[VocabStats], Tensor]
-    rows: int
-    padded: int
-    head: tuple[float | None, float]
-    group: ProcessGroup | None
-
-
-def _gradient_chunk(h, weight, bias, local, in_shard, at, spec):
-    """One row chunk of `linear_vocab_gradient` (rows `at` of the padded rows): its
-    statistics, the objective's gradient w.r.t. its logits `g` (in the head's dtype) and its
-    rows of `dH`."""
-    z = torch.nn.functional.linear(h, weight, bias).float()
-    x = _head(z, spec.head)
-    stats = VocabStats(*_merge_shards(*_shard_stats(x, None, local, in_shard, False), False, False, spec.group)[:4])
-
-    def placed(chunk_stats: VocabStats) -> VocabStats:  # this chunk's statistics in their rows, zeros elsewhere
-        return VocabStats(
-            *(t.new_zeros((spec.padded,) + t.shape[1:]).index_copy(0, at, t)[: spec.rows] for t in chunk_stats)
-        )
-
-    grads = tuple(torch.func.grad(lambda chunk_stats: spec.objective(placed(chunk_stats)))(stats))
-    rows = _RowGrad(None, stats.lse, stats.negent, None, grads, local, in_shard, _live(grads))
-    g = _head_grad(z, _chunk_grad(x, None, rows, False), spec.head).to(weight.dtype)
-    return *stats, g, g @ weight
-
-
-# A region compiled once whatever the chunks' number. torch 2.11 and 2.12 cannot trace
-# torch.func.grad inside one (an assertion in the region's fake inputs): there each chunk is
-# traced inline, the same values in a longer compile.
-if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
-    _gradient_chunk = torch.compiler.nested_compile_region(_gradient_chunk)
+def _scan(
+    fn: Callable[..., Any], init: list[Tensor], xs: tuple[Tensor, ...]
+) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+    """`scan(fn, init, xs)`: compiled, one loop in the graph whatever the number of steps; in
+    eager mode a Python loop (plain tensor operations, seen as such by any dispatch mode)."""
+    if torch.compiler.is_compiling():
+        return scan(fn, init, xs)
+    carry, ys = init, []
+    for i in range(xs[0].shape[0]):
+        carry, y = fn(carry, tuple(x[i] for x in xs))
+        ys.append(y)
+    return carry, tuple(torch.stack(y) for y in zip(*ys))
 
 
 class _GradientCarrier(torch.autograd.Function):
@@ -463,10 +417,8 @@ def linear_vocab_gradient(
     it) — gives the chunk's logit gradient, and from it `dH` and the chunk's share of `dW`
     (two matmuls). Returns the statistics (detached) and a zero that carries the gradients:
     added to the loss, its backward hands `hidden`, `weight` and `bias` the upstream gradient
-    times the forward's. The chunks are balanced (the last padded with zero rows), each a
-    region compiled once whatever their number (`_gradient_chunk`), and each adds its share
-    to one fp32 `dW` in place (`_accumulate`) before the next starts: one `dW` is ever alive,
-    as in Liger's chunked losses."""
+    times the forward's. The chunks are a loop (`scan`): compiled once whatever their number;
+    the chunks are balanced and the last padded with zero rows."""
     if logits.hidden.dim() != 2:
         raise ValueError(f"linear_vocab_gradient: hidden must be [N, H], got {tuple(logits.hidden.shape)}")
     hidden, weight, bias = _cast(logits.dtype, logits.hidden, logits.weight, logits.bias)
@@ -480,30 +432,35 @@ def linear_vocab_gradient(
     in_shard = torch.nn.functional.pad(in_shard, (0, 0, 0, pad))
     positions = torch.arange(count * step, device=hidden.device)
     w, b = weight.detach(), None if bias is None else bias.detach()
-    spec = _Objective(objective, n, count * step, logits.head, group)
-    grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-    grad_bias = None if b is None else torch.zeros(vocab, dtype=torch.float32, device=w.device)
-    compiling = torch.compiler.is_compiling()
-    parts, order = [], None
-    for s in range(0, count * step, step):
-        h = rows[s : s + step] if order is None else rows[s : s + step] + order
-        *stats, g, grad_h = _gradient_chunk(
-            h, w, b, local[s : s + step], in_shard[s : s + step], positions[s : s + step], spec
-        )
-        if compiling:
-            order = _accumulate(grad_weight, g, h)
-        else:  # eager: the same update, seen as the matmul it is by any dispatch mode
-            _add_weight_grad(grad_weight, g, h)
-        if grad_bias is not None:
-            grad_bias = grad_bias + g.float().sum(0)
-        parts.append((*stats, grad_h))
-    *stats, grad_hidden = (torch.cat(t)[:n] for t in zip(*parts))
-    carrier = _GradientCarrier.apply(
-        hidden,
-        weight,
-        bias,
-        grad_hidden,
-        grad_weight.to(weight.dtype),
-        None if bias is None or grad_bias is None else grad_bias.to(bias.dtype),
+
+    def placed(stats: VocabStats, at: Tensor) -> VocabStats:  # a chunk's statistics in their rows, zeros elsewhere
+        return VocabStats(*(t.new_zeros((count * step,) + t.shape[1:]).index_copy(0, at, t)[:n] for t in stats))
+
+    def chunk(accumulated: list[Tensor], xs: tuple[Tensor, ...]) -> tuple[list[Tensor], tuple[Tensor, ...]]:
+        h, local, in_shard, at = xs
+        z = torch.nn.functional.linear(h, w, b).float()
+        x = _head(z, logits.head)
+        stats = VocabStats(*_merge_shards(*_shard_stats(x, None, local, in_shard, False), False, False, group)[:4])
+        grads = tuple(torch.func.grad(lambda chunk_stats: objective(placed(chunk_stats, at)))(stats))
+        rows = _RowGrad(None, stats.lse, stats.negent, None, grads, local, in_shard, _live(grads))
+        g = _chunk_grad(x, None, rows, False)
+        g = _head_grad(z, g, logits.head).to(w.dtype)
+        grad_weight, *grad_bias = accumulated
+        if h.dtype == torch.float32:
+            grad_weight = torch.addmm(grad_weight, g.t(), h)
+        else:  # accumulated in fp32
+            grad_weight = grad_weight + (g.t() @ h).float()
+        return [grad_weight, *(d + g.float().sum(0) for d in grad_bias)], (*stats, g @ w)
+
+    zeros = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)]
+    if b is not None:
+        zeros.append(torch.zeros(vocab, dtype=torch.float32, device=w.device))
+    xs = (rows, local, in_shard, positions)
+    (grad_weight, *grad_bias), (*stats, grad_hidden) = _scan(
+        chunk, zeros, tuple(t.unflatten(0, (count, step)) for t in xs)
     )
-    return VocabStats(*stats), carrier
+    bias_grad = grad_bias[0].to(bias.dtype) if bias is not None else None
+    carrier = _GradientCarrier.apply(
+        hidden, weight, bias, grad_hidden.flatten(0, 1)[:n], grad_weight.to(weight.dtype), bias_grad
+    )
+    return VocabStats(*(t.flatten(0, 1)[:n] for t in stats)), carrier

@@ -22,12 +22,7 @@ from compiled_loss.wrapper import SequencePackingFusionLossWrapper, wrap_loss_fn
 
 H = 8
 LENGTHS, PADS, WIDTH = [5, 3, 6, 2], [1, 0, 2, 0], 7
-MATMULS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.addmm_.default,
-    torch.ops.aten.bmm.default,
-}
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
 class _Matmuls(TorchDispatchMode):
