@@ -126,6 +126,15 @@ class Run:
             self.cfg, self.policy, self.reference, self.drafter, self.optimizers, self.rollouts.rng, self.warm_steps
         )
 
+    def hand_over_drafter(self) -> None:
+        """At the end of the warm start, the drafter's AdamW moments pass from the warm start's
+        optimizer to the loss's, so that it trains on through the switch: a fresh AdamW's
+        first steps move every weight by about `optim.draft_lr` and throw it off the policy."""
+        warm, loss = self.optimizers
+        for p in trained_parameters(self.drafter):
+            if p in warm.state:
+                loss.state[p] = warm.state[p]
+
     def recorders(self) -> list[CompileRecorder]:
         """The compile recorders of both steps and the sampler (none where nothing compiles)."""
         found = [r for r in (self.step.recorder, self.warm.recorder, self.layers_recorder) if r is not None]
@@ -173,6 +182,14 @@ class Models:
     def trained(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizers step: the policy's and the drafter's that take gradients."""
         return trained_parameters(self.policy, self.drafter)
+
+    def parameter_groups(self, lr: float, draft_lr: float) -> list[dict[str, Any]]:
+        """An optimizer's parameter groups: the policy's at `lr`, then the drafter's (if any) at
+        `draft_lr` (`optim.draft_lr`)."""
+        groups = [{"params": trained_parameters(self.policy), "lr": lr}]
+        return groups + (
+            [{"params": trained_parameters(self.drafter), "lr": draft_lr}] if self.drafter is not None else []
+        )
 
 
 def trained_parameters(*models: torch.nn.Module | None) -> list[torch.nn.Parameter]:
@@ -224,7 +241,9 @@ def build_run(cfg: Config, groups: ParallelGroups) -> Run:
     loss_fn = cross_tokenizer.build_cross_tokenizer_loss(cfg) if kind.teacher is Teacher.cross_tokenizer else None
     o = cfg.optim
     warm_optimizer, optimizer = (
-        torch.optim.AdamW(models.trained(), lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        torch.optim.AdamW(
+            models.parameter_groups(lr, o.draft_lr), betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
+        )
         for lr in (o.sft_lr, o.lr)
     )
     step = build_train_step(cfg, policy, optimizer, groups, drafter, loss_fn=loss_fn)
@@ -360,6 +379,7 @@ def _steps(
         warming = i <= warm_steps
         if i == warm_steps + 1 and warm_steps:  # the warm-start weights become the KL reference
             reference.load_state_dict(policy.state_dict())
+            run.hand_over_drafter()
         if lead and cfg.compile.enabled and i in (done + 1, warm_steps + 1):  # a phase's first step compiles
             log.info("step %d: %s", i, _compiling(cfg, run, warming, first=i == done + 1))
         start, compiling = time.perf_counter(), run.compile_seconds()

@@ -189,6 +189,9 @@ class OptimConfig:
     lr · weight_decay < 1."""
     sft_lr: float = 3e-3
     """Learning rate of the warm start (`run.sft_steps`, its own AdamW); bounded as `lr`."""
+    draft_lr: float = 3e-3
+    """Learning rate of the co-trained drafter (`draft=eagle3` / `dflash`) in both phases: its own parameter group
+    in each AdamW, so it keeps up with the policy it imitates; bounded as `lr`."""
     weight_decay: float = 0.0
     """Decoupled weight decay: every weight is multiplied by 1 - lr · weight_decay per step; >= 0."""
     beta1: float = 0.9
@@ -201,7 +204,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _fields(self, "optim")
-        for name in ("lr", "sft_lr"):
+        for name in ("lr", "sft_lr", "draft_lr"):
             require(getattr(self, name) > 0, f"optim.{name} must be > 0, got {getattr(self, name)}")
         require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
@@ -210,7 +213,7 @@ class OptimConfig:
         clip = self.grad_clip
         require(clip is None or clip > 0, f"optim.grad_clip must be > 0 (or null to disable), got {clip}")
         check_factor("optim.grad_clip", clip, "the gradient is scaled to at most this norm")
-        for name in ("lr", "sft_lr"):
+        for name in ("lr", "sft_lr", "draft_lr"):
             lr = getattr(self, name)
             require(
                 lr / (1 - self.beta1) <= FLOAT32.max,

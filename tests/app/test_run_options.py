@@ -7,8 +7,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+from common import TINY_TASK
 
 from compiled_loss.app import compose_config, store
+from compiled_loss.app.loop import build_run
+from compiled_loss.train.parallel import init_parallel
 
 
 def error(*overrides: str) -> str:
@@ -23,6 +26,7 @@ def test_the_default_run_warm_starts_then_runs_grpo_on_its_own_samples():
     cfg = compose_config()
     assert (cfg.loss.name, cfg.run.sft_steps, cfg.run.steps, cfg.run.loggers) == ("clipped_pg", 27, 177, ["jsonl"])
     assert (cfg.optim.sft_lr, cfg.optim.lr, cfg.data.prompts, cfg.data.group_size) == (3e-3, 5e-4, 8, 16)
+    assert cfg.optim.draft_lr == 3e-3
     assert (cfg.data.use_leave_one_out_baseline, cfg.data.normalize_rewards) == (False, True)
     assert (cfg.run.save_every, cfg.run.resume, cfg.run.deterministic) == (0, None, False)
 
@@ -51,6 +55,16 @@ def test_the_options_compose(monkeypatch):
     assert (cfg.data.use_leave_one_out_baseline, cfg.data.normalize_rewards) == (True, False)
 
 
+def test_the_drafter_trains_at_its_own_learning_rate_in_both_phases():
+    cfg = compose_config(*TINY_TASK, "compile.enabled=false", "draft=eagle3", "optim.draft_lr=1e-2")
+    run = build_run(cfg, init_parallel(cfg.parallel))
+    drafter = [p for p in run.drafter.parameters() if p.requires_grad]
+    for optimizer, lr in zip(run.optimizers, (cfg.optim.sft_lr, cfg.optim.lr)):
+        policy, draft = optimizer.param_groups
+        assert (policy["lr"], draft["lr"]) == (lr, 1e-2)
+        assert [id(p) for p in draft["params"]] == [id(p) for p in drafter]
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -63,6 +77,8 @@ def test_the_options_compose(monkeypatch):
         ("run.loggers=[jsonl,jsonl]", "run.loggers=[jsonl,jsonl] names a logger twice"),
         ("optim.sft_lr=0", "optim.sft_lr must be > 0, got 0.0"),
         ("optim.sft_lr=nan", "optim.sft_lr must be finite, got nan"),
+        ("optim.draft_lr=0", "optim.draft_lr must be > 0, got 0.0"),
+        ("optim.draft_lr=inf", "optim.draft_lr must be finite, got inf"),
         ("data.total_terms=8", "data.total_terms (8) must be > data.prompt_terms_max (8)"),
         (
             "model.max_positions=24",
