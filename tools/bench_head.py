@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import gc
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -63,6 +64,7 @@ from compiled_loss.loss_functions import ClippedPGLossFn, NLLLossFn
 from compiled_loss.loss_input import prepare_loss_input
 from compiled_loss.metrics import metrics_to_python
 from compiled_loss.vocab import LinearLogits
+from compiled_loss.vocab.fused import _chunk_rows
 from compiled_loss.wrapper import wrap_loss_fn_with_input_preparation
 
 LOSSES = ("grpo", "nll")
@@ -86,8 +88,11 @@ DEFAULTS = {
     "vocab": [32000, 128256],
     "dtype": ["fp32"],
     "repeat": 3,
-    "chunk": 1024,
+    "chunk": "default",
 }
+# Shapes off the grid's powers of two (--odd): GPT-2's vocabulary with H=384 and H=576 (SmolLM's),
+# and T=1536 rows of one sequence
+ODD_SHAPES = ((2, 768, 384, 50257), (3, 500, 576, 49152), (1, 1536, 1024, 32000))
 LOSS_RTOL = 1e-4
 SEED = 0
 CSV_COLUMNS = (
@@ -497,6 +502,25 @@ def write_csv(table: list[dict[str, Any]], path: Path) -> None:
             writer.writerow({k: "" if isinstance(r[k], float) and math.isnan(r[k]) else r[k] for k in CSV_COLUMNS})
 
 
+def _chunk_spec(text: str) -> str | int:
+    if text in ("default", "liger"):
+        return text
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"--chunk must be a number of rows >= 1, 'default' or 'liger', got {text!r}")
+    return rows
+
+
+def chunk_rows(spec: str | int, batch: int, seq: int, vocab: int) -> int:
+    """The fused loss's rows per chunk for `--chunk spec` (the library raises any to N / 16)."""
+    if spec == "liger":
+        return seq
+    return _chunk_rows(batch * seq, vocab, None if spec == "default" else int(spec))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tools/bench.py head", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -512,7 +536,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"--{key}", type=int, nargs="+", default=DEFAULTS[key], help=f"{help_text} (default %(default)s)"
         )
     p.add_argument("--dtype", choices=sorted(DTYPES), nargs="+", default=DEFAULTS["dtype"])
-    p.add_argument("--chunk", type=int, default=DEFAULTS["chunk"], help="fused rows per chunk (default %(default)s)")
+    p.add_argument(
+        "--odd",
+        action="store_true",
+        help="the shapes off the grid instead, (B, T, H, V) in " + ", ".join(map(str, ODD_SHAPES)),
+    )
+    p.add_argument(
+        "--chunk",
+        type=_chunk_spec,
+        default=DEFAULTS["chunk"],
+        help="fused rows per chunk: a number, 'default' (the library's: ~16 MiB of fp32 logits, at most 16 chunks) "
+        "or 'liger' (T: one row of the batch, the chunk of Liger's chunked losses) (default %(default)s)",
+    )
     p.add_argument("--repeat", type=int, default=DEFAULTS["repeat"], help="timed calls (default %(default)s)")
     p.add_argument(
         "--variants",
@@ -543,14 +578,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(json.dumps(result))
         return
-    shapes = [
-        Shape(b, t, h, v, d, args.chunk)
-        for d in args.dtype
-        for v in args.vocab
-        for h in args.hidden
-        for t in args.seq
-        for b in args.batch
-    ]
+    grid = ODD_SHAPES if args.odd else itertools.product(args.batch, args.seq, args.hidden, args.vocab)
+    shapes = [Shape(b, t, h, v, d, chunk_rows(args.chunk, b, t, v)) for d in args.dtype for b, t, h, v in grid]
     device = args.device
     name = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(
