@@ -516,9 +516,8 @@ def _chunk_spec(text: str) -> str | int:
 
 def chunk_rows(spec: str | int, batch: int, seq: int, vocab: int) -> int:
     """The fused loss's rows per chunk for `--chunk spec` (the library raises any to N / 16)."""
-    if spec == "liger":
-        return seq
-    return _chunk_rows(batch * seq, vocab, None if spec == "default" else int(spec))
+    rows = {"default": None, "liger": seq}.get(spec, spec)
+    return _chunk_rows(batch * seq, vocab, None if rows is None else int(rows))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -578,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(json.dumps(result))
         return
-    grid = ODD_SHAPES if args.odd else itertools.product(args.batch, args.seq, args.hidden, args.vocab)
+    grid = ODD_SHAPES if args.odd else tuple(itertools.product(args.batch, args.seq, args.hidden, args.vocab))
     shapes = [Shape(b, t, h, v, d, chunk_rows(args.chunk, b, t, v)) for d in args.dtype for b, t, h, v in grid]
     device = args.device
     name = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
