@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 from common import TINY_TASK
 
 from compiled_loss.app import compose_config, store
@@ -63,6 +64,20 @@ def test_the_drafter_trains_at_its_own_learning_rate_in_both_phases():
         policy, draft = optimizer.param_groups
         assert (policy["lr"], draft["lr"]) == (lr, 1e-2)
         assert [id(p) for p in draft["params"]] == [id(p) for p in drafter]
+
+
+def test_the_drafters_adamw_moments_pass_to_the_loss_optimizer_at_the_switch():
+    cfg = compose_config(*TINY_TASK, "compile.enabled=false", "draft=eagle3")
+    run = build_run(cfg, init_parallel(cfg.parallel))
+    warm, loss = run.optimizers
+    policy = [p for p in run.policy.parameters() if p.requires_grad]
+    drafter = [p for p in run.drafter.parameters() if p.requires_grad]
+    for p in policy + drafter:
+        p.grad = torch.ones_like(p)
+    warm.step()
+    run.hand_over_drafter()
+    assert drafter and all(loss.state[p] is warm.state[p] for p in drafter)
+    assert not any(p in loss.state for p in policy)  # the policy's moments start anew at the loss
 
 
 @pytest.mark.parametrize(
